@@ -1,0 +1,5 @@
+import sys
+
+from fastpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,182 @@
+"""The `fastpipe` command line (also `python -m fastpipe`).
+
+Exit status: 0 success; 2 anything given is invalid (pipeline, param files,
+payloads, inputs, options); 1 a valid run failed or --check found a mismatch.
+Errors print as one line (`fastpipe: error: ...`); --verbose adds the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+
+from fastpipe.errors import FastpipeError, InputError
+
+EXIT_INVALID = 2
+EXIT_FAILED = 1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        raise InputError(f"{self.prog}: {message}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="fastpipe", description="Validate, inspect and run split-model pipelines (pipeline.json).")
+    ap.add_argument("--verbose", "-v", action="store_true", help="show tracebacks and debug logs")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def common(p):
+        p.add_argument("pipeline", help="path to pipeline.json")
+        p.add_argument("--allow-outside-paths", action="store_true",
+                       help="allow param/payload files by absolute path or outside the pipeline's folder")
+        p.add_argument("--trust-export-archives", action="store_true",
+                       help="allow torch.export archives (their loader can unpickle, i.e. run code)")
+        p.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    v = sub.add_parser("validate", help="check a pipeline (structure, payloads, param-file headers); exit 0 or one error")
+    common(v)
+    s = sub.add_parser("show", help="summary: slots, supertasks by kind, constant bytes per slot")
+    common(s)
+    s.add_argument("--dot", metavar="FILE", help="also write a Graphviz drawing (one cluster per slot)")
+    r = sub.add_parser("run", help="run a pipeline and print a latency summary")
+    common(r)
+    r.add_argument("--inputs", metavar="FILE", help="safetensors file keyed by pipeline input names (default: seeded random)")
+    r.add_argument("--outputs", metavar="FILE", help="write outputs (safetensors, keyed by pipeline output names)")
+    r.add_argument("--check", metavar="FILE", help="compare outputs with this safetensors file; exit 1 on mismatch")
+    r.add_argument("--rtol", type=float, help="relative tolerance for --check (default: per dtype)")
+    r.add_argument("--atol", type=float, help="absolute tolerance for --check (default: per dtype)")
+    r.add_argument("--device-map", metavar="MAP", help="slot placement, e.g. 0=cpu,1=cuda:0")
+    r.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
+    r.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    r.add_argument("--repeat", type=int, default=5, help="timed runs (default 5)")
+    return ap
+
+
+def _cmd_validate(args) -> int:
+    from fastpipe.format import read_pipeline
+    from fastpipe.validate import validate
+
+    p = read_pipeline(args.pipeline)
+    validate(p, _options(args))
+    print(f"{args.pipeline}: valid ({len(p.devices)} slots, {len(p.supertasks)} supertasks, {len(p.tensors)} tensors)")
+    return 0
+
+
+def _options(args):
+    from fastpipe.options import LoadOptions
+
+    return LoadOptions(allow_outside_paths=args.allow_outside_paths, trust_export_archives=args.trust_export_archives)
+
+
+def _cmd_show(args) -> int:
+    from fastpipe.atomic import write_text
+    from fastpipe.format import read_pipeline
+    from fastpipe.summary import dot_text, summary_text
+    from fastpipe.validate import validate_structure
+
+    p = read_pipeline(args.pipeline)
+    validate_structure(p)
+    sys.stdout.write(summary_text(p))
+    if args.dot:
+        write_text(args.dot, dot_text(p))
+        print(f"wrote {args.dot}")
+    return 0
+
+
+def _read_tensors(path: str, option: str):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise InputError(f"{option}: expected a safetensors file, found no file \"{path}\"") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise InputError(f"{option}: expected a safetensors file, found \"{path}\" unreadable: {' '.join(str(e).split())}") from None
+
+
+def _cmd_run(args) -> int:
+    import torch
+
+    from fastpipe.atomic import atomic_path
+    from fastpipe.compare import compare
+    from fastpipe.errors import CheckMismatch
+    from fastpipe.format import read_pipeline
+    from fastpipe.random_inputs import random_inputs
+    from fastpipe.runtime.device_map import parse_device_map_option
+    from fastpipe.session import Session
+
+    if args.repeat < 1 or args.warmup < 0:
+        raise InputError(f"--repeat/--warmup: expected --repeat >= 1 and --warmup >= 0, found {args.repeat} and {args.warmup}")
+    device_map = parse_device_map_option(args.device_map) if args.device_map else None
+    p = read_pipeline(args.pipeline)
+    inputs = _read_tensors(args.inputs, "--inputs") if args.inputs else random_inputs(p, args.seed)
+    expected = _read_tensors(args.check, "--check") if args.check else None
+    t0 = time.perf_counter()
+    sess = Session(p, device_map=device_map, options=_options(args))
+    load_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        sess.run(inputs)
+    times, outs = [], None
+    for _ in range(args.repeat):
+        t = time.perf_counter()
+        outs = sess.run(inputs)
+        if any(d.type == "cuda" for d in sess.slot_devices.values()):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    ms = sorted(x * 1e3 for x in times)
+    print(f"{p.name}: loaded in {load_s * 1e3:.1f} ms; {args.repeat} runs: median {statistics.median(ms):.3f} ms, "
+          f"min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")
+    if args.outputs:
+        from safetensors.torch import save_file
+
+        with atomic_path(args.outputs) as tmp:
+            save_file({k: v.detach().cpu().contiguous() for k, v in outs.items()}, str(tmp))
+        print(f"wrote {len(outs)} outputs to {args.outputs}")
+    if expected is not None:
+        rows = compare(outs, expected, args.rtol, args.atol)
+        for r in rows:
+            status = "ok" if r.ok else "MISMATCH"
+            extra = f" ({r.why})" if r.why else ""
+            print(f"  {r.name}: max abs {r.max_abs:.3g}, max rel {r.max_rel:.3g}: {status}{extra}")
+        bad = [r.name for r in rows if not r.ok]
+        if bad:
+            raise CheckMismatch(f"--check: expected outputs to match {args.check}, found {len(bad)} mismatching ({', '.join(bad)})")
+        print(f"check: {len(rows)} outputs match {args.check}")
+    return 0
+
+
+COMMANDS = {"validate": _cmd_validate, "show": _cmd_show, "run": _cmd_run}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    verbose = "--verbose" in argv or "-v" in argv
+    try:
+        args = _parser().parse_args(argv)
+        if getattr(args, "verbose", False):
+            import logging
+
+            logging.basicConfig(level=logging.DEBUG)
+        return COMMANDS[args.command](args)
+    except FastpipeError as e:
+        if verbose:
+            traceback.print_exc()
+        print(f"fastpipe: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("fastpipe: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a bug of ours: still one line unless --verbose
+        if verbose:
+            traceback.print_exc()
+        msg = " ".join(str(e).split())
+        print(f"fastpipe: internal error: {type(e).__name__}: {msg} (rerun with --verbose for the traceback)", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The pipeline's types (SPEC §1) as plain, immutable data.
+
+Where producers spell a thing several ways (device objects or strings, `FX`
+or `fx`, reduce ops as strings or ints) the model keeps the spelling it read
+in a ``raw``/``spelling`` field so that writing round-trips, and exposes the
+canonical meaning through plain fields.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+COMPUTE_KINDS = ("fx", "dfg")
+COMM_KINDS = ("send", "recv", "reduce", "all_gather", "all_reduce", "reduce_scatter",
+              "all_to_all", "broadcast", "gather")
+IO_KINDS = ("input", "output")
+ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + IO_KINDS
+
+# exactly these metadata keys per comm kind (SPEC §1)
+COMM_METADATA_KEYS: dict[str, tuple[str, ...]] = {
+    "send": (),
+    "recv": (),
+    "reduce": ("reduce_op", "dst"),
+    "all_gather": ("dim",),
+    "all_reduce": ("reduce_op",),
+    "reduce_scatter": ("reduce_op", "dim"),
+    "all_to_all": ("src_dim", "dst_dim"),
+    "broadcast": ("src",),
+    "gather": ("dim", "dst"),
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device slot's declared device. ``spelling`` is the producer's string form, if used."""
+
+    kind: str                      # cpu | npu | cuda   (gpu is read as cuda)
+    idx: int                       # device index in the machine (first chip for multi-chip strings)
+    pe: str | None = None          # npu processing elements: "3", "0-3", "*"
+    chips: tuple[int, ...] = ()    # all chips of a comma-joined string
+    spelling: str | None = None    # original string form, or None for the object form
+
+
+@dataclass(frozen=True)
+class ParamFile:
+    path: str
+    format: str
+
+
+@dataclass(frozen=True)
+class ParamValue:
+    name: str
+    placements: tuple[tuple[int, int], ...] | None
+    path: str | None = None         # inline file reference (seed format) ...
+    format: str | None = None
+    param_file: str | None = None   # ... or an id into Pipeline.param_files
+    name_in_graph: str | None = None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str
+    value: ParamValue | None = None
+
+    @property
+    def is_constant(self) -> bool:
+        return self.value is not None
+
+
+@dataclass(frozen=True)
+class SuperTask:
+    kind: str                                   # canonical (lower-case) kind
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    device: str | None = None
+    data: str | None = None
+    data_blob: str | None = None
+    group: str | None = None
+    device_idx: int | None = None
+    metadata: Mapping[str, Any] | None = None   # comm metadata as written
+    kind_spelling: str | None = None            # e.g. "FX" when the file said so
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+
+@dataclass(frozen=True)
+class OriginalTensor:
+    shape: tuple[int, ...]
+    dtype: str
+    idx: int
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    placements: tuple[tuple[int, int], ...]
+    origin: str
+    dtype: str
+    device: str
+
+
+@dataclass(frozen=True)
+class Metadata:
+    tensors_inputs: Mapping[str, OriginalTensor] = field(default_factory=dict)
+    tensors_outputs: Mapping[str, OriginalTensor] = field(default_factory=dict)
+    slices_inputs: Mapping[str, TensorSlice] = field(default_factory=dict)
+    slices_outputs: Mapping[str, TensorSlice] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    name: str
+    devices: Mapping[str, Device]
+    tensors: Mapping[str, TensorInfo]
+    supertasks: Mapping[str, SuperTask]
+    metadata: Metadata
+    version: str | None = None
+    param_files: Mapping[str, ParamFile] | None = None
+    blobs: Mapping[str, str | None] | None = None
+    device_constraints: tuple[Any, ...] | None = None
+    source_dir: Path | None = field(default=None, compare=False)  # folder of the file it was read from
+
+    def input_supertask(self) -> tuple[str, SuperTask]:
+        return next((i, t) for i, t in self.supertasks.items() if t.kind == "input")
+
+    def output_supertask(self) -> tuple[str, SuperTask]:
+        return next((i, t) for i, t in self.supertasks.items() if t.kind == "output")
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.input_supertask()[1].outputs
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        return self.output_supertask()[1].inputs

@@ -1,0 +1,184 @@
+"""pipeline.json (as plain JSON data) -> Pipeline, checking every field's type.
+
+This checks the *form* of each field; cross-field rules live in
+fastpipe.validate. Every error names its JSON path.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastpipe import dtypes
+from fastpipe.errors import FormatError, key_path
+from fastpipe.format import fields
+from fastpipe.format.devices import parse_device
+from fastpipe.format.model import (ALL_KINDS, COMM_KINDS, COMPUTE_KINDS, Metadata, OriginalTensor,
+                                   ParamFile, ParamValue, Pipeline, SuperTask, TensorInfo, TensorSlice)
+
+TOP_REQUIRED = ("name", "devices", "tensors", "supertasks")
+TOP_OPTIONAL = ("metadata", "version", "param_files", "blobs", "device_constraints")
+PARAM_FORMATS = ("safetensors", "torch.save", "torch.export")
+KIND_SPELLINGS = {k: k for k in ALL_KINDS} | {"FX": "fx", "DFG": "dfg"}
+
+
+def parse_pipeline(doc: Any, *, source_dir: Path | None = None) -> Pipeline:
+    top = fields.obj(doc, "", required=TOP_REQUIRED, optional=TOP_OPTIONAL)
+    devices = {k: parse_device(v, key_path("devices", k)) for k, v in fields.mapping(top["devices"], "devices").items()}
+    tensors = {k: _tensor(v, key_path("tensors", k)) for k, v in fields.mapping(top["tensors"], "tensors").items()}
+    supertasks = {k: _supertask(v, key_path("supertasks", k)) for k, v in fields.mapping(top["supertasks"], "supertasks").items()}
+    param_files = None
+    if "param_files" in top:
+        param_files = {k: _param_file(v, key_path("param_files", k)) for k, v in fields.mapping(top["param_files"], "param_files").items()}
+    blobs = None
+    if "blobs" in top:
+        blobs = {}
+        for k, v in fields.mapping(top["blobs"], "blobs").items():
+            blobs[k] = None if v is None else fields.string(v, key_path("blobs", k))
+    constraints = None
+    if "device_constraints" in top:
+        if not isinstance(top["device_constraints"], list):
+            raise FormatError(f"device_constraints: expected an array, found {fields.type_name(top['device_constraints'])}")
+        constraints = tuple(top["device_constraints"])
+    return Pipeline(
+        name=fields.string(top["name"], "name", nonempty=False),
+        devices=devices,
+        tensors=tensors,
+        supertasks=supertasks,
+        metadata=_metadata(top.get("metadata", {}), "metadata"),
+        version=fields.string(top["version"], "version") if "version" in top else None,
+        param_files=param_files,
+        blobs=blobs,
+        device_constraints=constraints,
+        source_dir=source_dir,
+    )
+
+
+def _dtype(value: Any, path: str) -> str:
+    if value not in dtypes.NAME_TO_TORCH:
+        raise fields.bad(path, f"one of {' '.join(dtypes.NAME_TO_TORCH)}", value)
+    return value
+
+
+def _tensor(value: Any, path: str) -> TensorInfo:
+    t = fields.obj(value, path, required=("shape", "dtype"), optional=("value",))
+    pv = _param_value(t["value"], f"{path}.value") if "value" in t and t["value"] is not None else None
+    return TensorInfo(shape=fields.shape(t["shape"], f"{path}.shape"), dtype=_dtype(t["dtype"], f"{path}.dtype"), value=pv)
+
+
+def _param_file(value: Any, path: str) -> ParamFile:
+    p = fields.obj(value, path, required=("path", "format"))
+    fmt = fields.string(p["format"], f"{path}.format")
+    if fmt not in PARAM_FORMATS:
+        raise fields.bad(f"{path}.format", "one of " + ", ".join(PARAM_FORMATS), fmt)
+    return ParamFile(path=fields.string(p["path"], f"{path}.path"), format=fmt)
+
+
+def _param_value(value: Any, path: str) -> ParamValue:
+    v = fields.obj(value, path, required=("name",),
+                   optional=("path", "format", "param_file", "name_in_graph", "placements"))
+    inline = "path" in v or "format" in v
+    if inline and "param_file" in v:
+        raise FormatError(f"{path}: expected either path/format or param_file, found both")
+    if not inline and "param_file" not in v:
+        raise FormatError(f"{path}: missing required field \"path\" (or \"param_file\")")
+    fmt = None
+    if inline:
+        if "path" not in v or "format" not in v:
+            missing = "format" if "path" in v else "path"
+            raise FormatError(f"{path}: missing required field \"{missing}\"")
+        fmt = fields.string(v["format"], f"{path}.format")
+        if fmt not in PARAM_FORMATS:
+            raise fields.bad(f"{path}.format", "one of " + ", ".join(PARAM_FORMATS), fmt)
+    placements = None
+    if v.get("placements") is not None:
+        placements = fields.placements(v["placements"], f"{path}.placements")
+    return ParamValue(
+        name=fields.string(v["name"], f"{path}.name"),
+        placements=placements,
+        path=fields.string(v["path"], f"{path}.path") if inline else None,
+        format=fmt,
+        param_file=fields.string(v["param_file"], f"{path}.param_file") if "param_file" in v else None,
+        name_in_graph=fields.string(v["name_in_graph"], f"{path}.name_in_graph") if v.get("name_in_graph") is not None else None,
+    )
+
+
+def _supertask(value: Any, path: str) -> SuperTask:
+    raw_kind = fields.obj(value, path, required=("kind",), optional=(
+        "inputs", "outputs", "device", "data", "data_blob", "group", "device_idx", "metadata"))["kind"]
+    if raw_kind not in KIND_SPELLINGS:
+        raise fields.bad(f"{path}.kind", "one of " + ", ".join(ALL_KINDS) + " (or FX)", raw_kind)
+    kind = KIND_SPELLINGS[raw_kind]
+    if kind in COMPUTE_KINDS:
+        allowed = ("device", "data", "data_blob")
+    elif kind in COMM_KINDS:
+        allowed = ("device", "group", "device_idx", "metadata")
+    else:
+        allowed = ()
+    s = fields.obj(value, path, required=("kind", "inputs", "outputs"), optional=allowed)
+    for needed in allowed:
+        if needed in ("data", "data_blob"):
+            continue
+        if needed not in s:
+            raise FormatError(f"{path}: missing required field \"{needed}\" for a {kind} supertask")
+    if kind in COMPUTE_KINDS and ("data" in s) == ("data_blob" in s):
+        raise FormatError(f"{path}: expected exactly one of \"data\" or \"data_blob\" for a {kind} supertask, "
+                          f"found {'both' if 'data' in s else 'neither'}")
+    metadata = None
+    if kind in COMM_KINDS:
+        metadata = fields.mapping(s["metadata"], f"{path}.metadata")
+        for k, mv in metadata.items():
+            if isinstance(mv, bool) or not isinstance(mv, (int, str)):
+                raise fields.bad(f"{path}.metadata.{k}",
+                                 "a non-negative integer or a string", mv)
+    return SuperTask(
+        kind=kind,
+        inputs=fields.string_list(s["inputs"], f"{path}.inputs"),
+        outputs=fields.string_list(s["outputs"], f"{path}.outputs"),
+        device=fields.string(s["device"], f"{path}.device") if "device" in s else None,
+        data=fields.string(s["data"], f"{path}.data") if "data" in s else None,
+        data_blob=fields.string(s["data_blob"], f"{path}.data_blob") if "data_blob" in s else None,
+        group=fields.string(s["group"], f"{path}.group") if "group" in s else None,
+        device_idx=fields.uint(s["device_idx"], f"{path}.device_idx") if "device_idx" in s else None,
+        metadata=metadata,
+        kind_spelling=raw_kind if raw_kind != kind else None,
+    )
+
+
+def _metadata(value: Any, path: str) -> Metadata:
+    m = fields.obj(value, path, optional=("tensors", "tensor_slices"))
+    t = fields.obj(m.get("tensors", {}), f"{path}.tensors", optional=("inputs", "outputs"))
+    s = fields.obj(m.get("tensor_slices", {}), f"{path}.tensor_slices", optional=("inputs", "outputs"))
+
+    def originals(v, p):
+        return {k: _original(x, key_path(p, k)) for k, x in fields.mapping(v, p).items()}
+
+    def slices(v, p):
+        return {k: _slice(x, key_path(p, k)) for k, x in fields.mapping(v, p).items()}
+
+    return Metadata(
+        tensors_inputs=originals(t.get("inputs", {}), f"{path}.tensors.inputs"),
+        tensors_outputs=originals(t.get("outputs", {}), f"{path}.tensors.outputs"),
+        slices_inputs=slices(s.get("inputs", {}), f"{path}.tensor_slices.inputs"),
+        slices_outputs=slices(s.get("outputs", {}), f"{path}.tensor_slices.outputs"),
+    )
+
+
+def _original(value: Any, path: str) -> OriginalTensor:
+    o = fields.obj(value, path, required=("shape", "dtype", "idx"))
+    return OriginalTensor(shape=fields.shape(o["shape"], f"{path}.shape"), dtype=_dtype(o["dtype"], f"{path}.dtype"),
+                          idx=fields.uint(o["idx"], f"{path}.idx"))
+
+
+def _slice(value: Any, path: str) -> TensorSlice:
+    o = fields.obj(value, path, required=("placements", "origin", "dtype", "device"))
+    return TensorSlice(placements=fields.placements(o["placements"], f"{path}.placements"),
+                       origin=fields.string(o["origin"], f"{path}.origin"),
+                       dtype=_dtype(o["dtype"], f"{path}.dtype"),
+                       device=_slot_ref(o["device"], f"{path}.device"))
+
+
+def _slot_ref(value: Any, path: str) -> str:
+    """A slot id; producers write it as a string key or as an integer."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise fields.bad(path, "a slot id (string or integer)", value)
+    return str(value)

@@ -1,0 +1,69 @@
+"""Load-time binding: constants onto the devices of the slots that use them, and
+each fx graph ready to call on its slot's device."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from fastpipe import dtypes
+from fastpipe.compute_handlers import compute_handler
+from fastpipe.errors import PayloadError
+from fastpipe.format.model import Pipeline
+from fastpipe.options import LoadOptions
+from fastpipe.payload import DecodedGraph, bind_external
+from fastpipe.validate.sources import param_ref, payload_text
+from fastpipe.weights import ParamRef, WeightStore, resolve_param_path
+
+
+class Binder:
+    def __init__(self, p: Pipeline, opts: LoadOptions, store: WeightStore, slot_devices: dict[str, torch.device]):
+        self.p, self.opts, self.store, self.slot_devices = p, opts, store, slot_devices
+        self._const: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._gms: dict[tuple[int, torch.device], torch.nn.Module] = {}
+
+    def constants_for(self, names, device: torch.device) -> dict[str, torch.Tensor]:
+        return {n: self.constant(n, device) for n in names if self.p.tensors[n].is_constant}
+
+    def constant(self, name: str, device: torch.device) -> torch.Tensor:
+        key = (name, device)
+        if key not in self._const:
+            t = self.p.tensors[name]
+            ref, where = param_ref(self.p, name, self.opts)
+            cpu = self.store.load(ref, t.shape, dtypes.to_torch(t.dtype), where=where,
+                                  trust_export=self.opts.trust_export_archives)
+            self._const[key] = cpu if device.type == "cpu" else cpu.to(device)
+        return self._const[key]
+
+    def graph_fn(self, sid: str, g: DecodedGraph | None, device: torch.device):
+        st = self.p.supertasks[sid]
+        if st.kind != "fx":
+            text, _ = payload_text(self.p, sid, self.opts)
+            return compute_handler(st.kind)(sid, st, text)
+        key = (id(g), device)
+        if key not in self._gms:
+            if g.external_constants:
+                self._bind_external(sid, g)
+            gm = g.gm if device.type == "cpu" else copy.deepcopy(g.gm).to(device)
+            gm.eval()
+            self._gms[key] = gm
+        gm = self._gms[key]
+
+        def run(xs, gm=gm):
+            out = gm(*xs)
+            return out if isinstance(out, (tuple, list)) else (out,)
+
+        return run
+
+    def _bind_external(self, sid: str, g: DecodedGraph) -> None:
+        _, where = payload_text(self.p, sid, self.opts)
+        tensors = {}
+        for attr, (raw, fmt, saved) in g.external_constants.items():
+            w = f"{where}: metadata.constant_saved_info[\"{attr}\"]"
+            path = resolve_param_path(self.p.source_dir, raw, where=w, allow_outside=self.opts.allow_outside_paths)
+            fake = getattr(g.gm, attr, None)
+            if fake is None:
+                raise PayloadError(f"{w}: expected a constant the graph uses, found \"{attr}\"")
+            tensors[attr] = self.store.load(ParamRef(path, fmt, saved, None), tuple(fake.shape), fake.dtype, where=w,
+                                            trust_export=self.opts.trust_export_archives)
+        bind_external(g, tensors)

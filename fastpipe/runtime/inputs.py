@@ -1,0 +1,32 @@
+"""Run-time inputs: checked by name, shape, dtype and device before anything runs."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from fastpipe import dtypes
+from fastpipe.errors import InputError
+from fastpipe.format.model import Pipeline
+
+
+def check_inputs(p: Pipeline, inputs: Mapping[str, torch.Tensor], allowed_devices: Mapping[str, set]) -> None:
+    """`allowed_devices[name]`: the devices the tensor may already be on (cpu is always fine)."""
+    expected = p.input_names
+    for name in inputs:
+        if name not in expected:
+            raise InputError(f"inputs[\"{name}\"]: expected one of the pipeline inputs ({', '.join(expected) or 'none'}), found an unknown name")
+    for name in expected:
+        if name not in inputs:
+            raise InputError(f"inputs[\"{name}\"]: expected a tensor for this pipeline input, found none")
+        t, info = inputs[name], p.tensors[name]
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"inputs[\"{name}\"]: expected a torch.Tensor, found {type(t).__name__}")
+        if tuple(t.shape) != info.shape:
+            raise InputError(f"inputs[\"{name}\"].shape: expected {list(info.shape)}, found {list(t.shape)}")
+        want = dtypes.to_torch(info.dtype)
+        if t.dtype != want:
+            raise InputError(f"inputs[\"{name}\"].dtype: expected {info.dtype}, found {dtypes.TORCH_TO_NAME.get(t.dtype, str(t.dtype))}")
+        if t.device.type != "cpu" and t.device not in allowed_devices.get(name, set()):
+            ok = ", ".join(sorted({"cpu"} | {str(d) for d in allowed_devices.get(name, set())}))
+            raise InputError(f"inputs[\"{name}\"].device: expected {ok}, found {t.device}")

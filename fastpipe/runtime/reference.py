@@ -1,0 +1,48 @@
+"""The reference runtime: run the steps in dependency order, one at a time, on CPU or any device.
+
+It is plain and sequential on purpose: the CPU and CUDA processors of the
+runtime issue are tested against it. A failing step raises RunError naming
+the supertask and slot.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from fastpipe.errors import FastpipeError, RunError
+from fastpipe.runtime.steps import Step, where
+
+
+class ReferenceRunner:
+    def __init__(self, steps: Sequence[Step], outputs: Sequence[str]):
+        self.steps = list(steps)
+        self.outputs = tuple(outputs)
+        last_use: dict[str, int] = {}
+        for i, s in enumerate(self.steps):
+            for r in s.reads:
+                if isinstance(r, str):
+                    last_use[r] = i
+        keep = set(self.outputs)
+        # names whose last reader is step i: freed right after it runs
+        self._free_after = [tuple(n for n, j in last_use.items() if j == i and n not in keep) for i in range(len(self.steps))]
+
+    @torch.inference_mode()
+    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        env: dict[str, torch.Tensor] = dict(inputs)
+        for step, free in zip(self.steps, self._free_after):
+            args = [(env[r] if isinstance(r, str) else r) for r in step.reads]
+            args = [a if a.device == d else a.to(d) for a, d in zip(args, step.devices)]
+            try:
+                outs = step.fn(args)
+            except FastpipeError:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported with the step that failed
+                msg = " ".join(str(e).split()) or type(e).__name__
+                raise RunError(f"{where(step)}: failed: {type(e).__name__}: {msg}") from e
+            if len(outs) != len(step.writes):
+                raise RunError(f"{where(step)}: expected {len(step.writes)} outputs, found {len(outs)}")
+            env.update(zip(step.writes, outs))
+            for n in free:
+                env.pop(n, None)
+        return {n: env[n] for n in self.outputs}

@@ -1,0 +1,60 @@
+"""Where a supertask's payload text and a constant's file come from.
+
+A payload is inline `data`, or `data_blob` naming an entry of `blobs`; a null
+blob means the payload sits in `<blob-id>.fx` beside the pipeline file. A
+constant names its file inline (`path`/`format`) or through `param_files`.
+Both kinds of path are confined to the pipeline's folder unless allowed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastpipe.errors import FormatError, ParamError, PayloadError, ValidationError, key_path
+from fastpipe.format.model import Pipeline
+from fastpipe.options import LoadOptions
+from fastpipe.weights import ParamRef, resolve_param_path
+
+
+def _base_dir(p: Pipeline) -> Path:
+    return p.source_dir if p.source_dir is not None else Path.cwd()
+
+
+def payload_text(p: Pipeline, sid: str, opts: LoadOptions) -> tuple[str, str]:
+    """Return (text, where) for a compute supertask; `where` is the JSON path errors name."""
+    st = p.supertasks[sid]
+    if st.data is not None:
+        return st.data, key_path("supertasks", sid) + ".data"
+    path = key_path("supertasks", sid) + ".data_blob"
+    if p.blobs is None or st.data_blob not in p.blobs:
+        known = ", ".join(sorted(p.blobs or {})) or "none declared"
+        raise ValidationError(f"{path}: expected an id in blobs ({known}), found \"{st.data_blob}\"")
+    where = key_path("blobs", st.data_blob)
+    text = p.blobs[st.data_blob]
+    if text is not None:
+        return text, where
+    file = resolve_param_path(_base_dir(p), f"{st.data_blob}.fx", where=where, allow_outside=opts.allow_outside_paths)
+    try:
+        return file.read_text(encoding="ascii"), where
+    except FileNotFoundError:
+        raise PayloadError(f"{where}: expected the payload file \"{st.data_blob}.fx\" beside the pipeline (the blob is null), found no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PayloadError(f"{where}: cannot read \"{st.data_blob}.fx\": {e}") from None
+
+
+def param_ref(p: Pipeline, name: str, opts: LoadOptions) -> tuple[ParamRef, str]:
+    """Resolve a constant's file reference; return (ref, where)."""
+    where = key_path("tensors", name) + ".value"
+    v = p.tensors[name].value
+    if v.param_file is not None:
+        if p.param_files is None or v.param_file not in p.param_files:
+            known = ", ".join(sorted(p.param_files or {})) or "none declared"
+            raise ValidationError(f"{where}.param_file: expected an id in param_files ({known}), found \"{v.param_file}\"")
+        f = p.param_files[v.param_file]
+        raw, fmt, path_where = f.path, f.format, key_path("param_files", v.param_file) + ".path"
+    else:
+        raw, fmt, path_where = v.path, v.format, where + ".path"
+    path = resolve_param_path(_base_dir(p), raw, where=path_where, allow_outside=opts.allow_outside_paths)
+    return ParamRef(path=path, format=fmt, name=v.name, placements=v.placements), where
+
+
+__all__ = ["payload_text", "param_ref", "FormatError", "ParamError"]
