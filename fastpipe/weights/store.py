@@ -1,0 +1,148 @@
+"""The weight store: shared, checked, read-once access to parameter files.
+
+* One store per process (``default_store()``); ``WeightStore()`` makes a private
+  one (tests).
+* Open files are cached by identity ``(realpath, st_dev, st_ino, st_size,
+  st_mtime_ns)``: pipelines that share files (buckets of one model) share one
+  ``safe_open`` handle / one loaded torch.save dict. A file that changed on disk
+  gets a new identity; the stale entry for the same path is dropped.
+* Identical slices ``(file identity, format, name, placements, dtype)`` are the
+  SAME tensor object while anyone holds it (a WeakValueDictionary), so the
+  tensors a store returns are shared: treat them as read-only.
+* Contiguity policy: a slice that is contiguous in the file (the whole tensor,
+  or placements that only narrow the leading dims) is returned as a zero-copy
+  view of the file's private mmap (pages are read when first touched, e.g. by
+  the copy to a device); any other slice is made contiguous, which copies
+  exactly the slice's bytes. Kernels and host-to-device copies then always see
+  dense tensors, and no slice makes more than its own bytes resident.
+  Legacy (non-zip) torch.save files and torch.export archives cannot be mapped:
+  they are read whole when opened and stay in memory until ``clear()``.
+* Read-only: views of one file share its mapping, so an in-place write to a
+  returned tensor is seen by every overlapping slice (never by the file: the
+  mapping is private). Rewriting a parameter file in place while a process
+  uses it changes or invalidates (SIGBUS) its mapped pages: write a new file
+  and rename it (safetensors' save_file does).
+* Thread-safe: one lock guards the caches and file opening; slice data is
+  read outside it (two threads racing for one slice still get one object).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from pathlib import Path
+
+import torch
+
+from fastpipe.dtypes import to_torch
+from fastpipe.errors import ParamError
+
+from .checks import check_ref, check_stored
+from .formats import OPENERS
+from .paths import stat_param_file
+from .ref import ParamRef
+
+FileKey = tuple  # (format, realpath, st_dev, st_ino, st_size, st_mtime_ns)
+
+
+def _untrusted_export(ref: ParamRef, where: str) -> ParamError:
+    return ParamError(
+        f"{where}.format: expected a trusted torch.export archive, found untrusted '{ref.path.name}' "
+        "(its loader can unpickle arbitrary objects; pass --trust-export-archives on the CLI "
+        "or trust_export=True in Python to load it)")
+
+
+class WeightStore:
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._files: dict[FileKey, object] = {}
+        self._slices: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._counts = {"file_opens": 0, "slice_hits": 0, "slice_misses": 0, "bytes_read": 0}
+
+    # -- opening -----------------------------------------------------------------
+    def _open(self, ref: ParamRef, *, where: str, trust_export: bool):
+        check_ref(ref, where=where)
+        if ref.format == "torch.export" and not trust_export:
+            raise _untrusted_export(ref, where)
+        path = Path(ref.path)
+        st = stat_param_file(path, where=where)
+        key = (ref.format, str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            opened = self._files.get(key)
+            if opened is None:
+                opened = OPENERS[ref.format](path, st.st_size, where=where)
+                for old in [k for k in self._files if k[:2] == key[:2]]:
+                    del self._files[old]  # the file changed on disk: drop the stale handle
+                self._files[key] = opened
+                self._counts["file_opens"] += 1
+        return key, opened
+
+    def _checked(self, ref: ParamRef, shape, dtype, *, where: str, trust_export: bool):
+        if isinstance(dtype, str):
+            dtype = to_torch(dtype)
+        key, opened = self._open(ref, where=where, trust_export=trust_export)
+        stored = opened.stored(ref.name, where=where)
+        if stored is None:
+            names = opened.names()
+            listed = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+            raise ParamError(f"{where}.name: expected the name of a tensor in {opened.kind} {opened.label} "
+                             f"(it holds {len(names)}: {listed}), found {ref.name!r}")
+        placements = check_stored(ref, tuple(shape), dtype, where=where, file_label=opened.label,
+                                  stored_dtype=stored.dtype, stored_dtype_label=stored.dtype_label,
+                                  stored_shape=stored.shape)
+        return key, opened, placements, dtype
+
+    # -- public ------------------------------------------------------------------
+    def check(self, ref: ParamRef, shape: tuple[int, ...], dtype: torch.dtype, *, where: str,
+              trust_export: bool = False) -> None:
+        """Check ``ref`` against the declared shape/dtype from metadata only (no tensor data is read)."""
+        self._checked(ref, shape, dtype, where=where, trust_export=trust_export)
+
+    def load(self, ref: ParamRef, shape: tuple[int, ...], dtype: torch.dtype, *, where: str,
+             trust_export: bool = False) -> torch.Tensor:
+        """The checked slice as a dense CPU tensor, shared with every other holder of the same slice."""
+        key, opened, placements, dtype = self._checked(ref, shape, dtype, where=where, trust_export=trust_export)
+        skey = (key, ref.name, placements, dtype)
+        with self._lock:
+            t = self._slices.get(skey)
+            if t is not None:
+                self._counts["slice_hits"] += 1
+                return t
+        t = opened.read(ref.name, placements, where=where).detach().contiguous()
+        if t.dtype != dtype or tuple(t.shape) != tuple(e - s for s, e in placements):
+            raise ParamError(f"{where}.path: expected the slice read from {opened.label} to have the checked "
+                             f"dtype and shape, found {t.dtype} {list(t.shape)} (file changed while reading?)")
+        with self._lock:
+            existing = self._slices.get(skey)
+            if existing is not None:  # another thread read it meanwhile: keep one object
+                self._counts["slice_hits"] += 1
+                return existing
+            self._slices[skey] = t
+            self._counts["slice_misses"] += 1
+            self._counts["bytes_read"] += t.numel() * t.element_size()
+        return t
+
+    def stats(self) -> dict:
+        """``open_files`` (cached handles), ``live_slices`` (slices someone still holds),
+        ``file_opens``, ``slice_hits``, ``slice_misses``, ``bytes_read`` (sum of the
+        sizes of the slices read: a slice costs its own bytes, never the file's)."""
+        with self._lock:
+            return {"open_files": len(self._files), "live_slices": len(self._slices), **self._counts}
+
+    def clear(self) -> None:
+        """Drop cached handles and the slice index (tensors already returned stay valid)."""
+        with self._lock:
+            self._files.clear()
+            self._slices.clear()
+
+
+_default: WeightStore | None = None
+_default_lock = threading.Lock()
+
+
+def default_store() -> WeightStore:
+    """The process-wide store that every pipeline shares."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = WeightStore()
+        return _default
