@@ -100,13 +100,16 @@ class Assembler:
         return sid
 
     def comm(self, kind: str, group: str, members: Sequence[tuple[str, Sequence[str], Sequence[str]]],
-             *, out_shape: Sequence[int] | None = None, **metadata) -> list[str]:
+             *, out_shape: Sequence[int] | None = None, like: str | None = None, first_rank: int = 0,
+             **metadata) -> list[str]:
         """Add one comm supertask per member ``(slot, inputs, outputs)`` in device_idx order.
 
-        Output tensors are declared from the kind's semantics (or ``out_shape``).
+        Output tensors are declared from the kind's semantics applied to the first input
+        (or to tensor ``like``), or given by ``out_shape``.
         """
         ids = []
-        src_tensor = next(self.doc["tensors"][i] for _, ins, _ in members for i in ins)
+        src_name = like or next(i for _, ins, _ in members for i in ins)
+        src_tensor = self.doc["tensors"][src_name]
         n = len(members)
         for rank, (slot, ins, outs) in enumerate(members):
             shape = list(out_shape) if out_shape is not None else _out_shape(kind, src_tensor["shape"], n, metadata)
@@ -114,14 +117,14 @@ class Assembler:
                 self.doc["tensors"][o] = {"shape": shape, "dtype": src_tensor["dtype"]}
             sid = self._id()
             self.doc["supertasks"][sid] = {"kind": kind, "inputs": list(ins), "outputs": list(outs), "device": slot,
-                                           "group": group, "device_idx": rank, "metadata": dict(metadata)}
+                                           "group": group, "device_idx": first_rank + rank, "metadata": dict(metadata)}
             ids.append(sid)
         return ids
 
     def send_recv(self, group: str, src_slot: str, x: str, dst_slot: str, y: str) -> None:
+        """A send on ``src_slot`` (device_idx 0) paired with a recv on ``dst_slot`` (device_idx 1)."""
         self.comm("send", group, [(src_slot, [x], [])])
-        self.comm("recv", group, [(dst_slot, [], [y])], out_shape=self.doc["tensors"][x]["shape"])
-        self.doc["supertasks"][str(self._next)]["device_idx"] = 1
+        self.comm("recv", group, [(dst_slot, [], [y])], like=x, first_rank=1)
 
     def output(self, names: Sequence[str]) -> None:
         self.doc["supertasks"]["out"] = {"kind": "output", "inputs": list(names), "outputs": []}

@@ -81,6 +81,7 @@ def _cmd_show(args) -> int:
     validate_structure(p)
     sys.stdout.write(summary_text(p))
     if args.dot:
+        _check_writable(args.dot, "--dot")
         write_text(args.dot, dot_text(p))
         print(f"wrote {args.dot}")
     return 0
@@ -98,6 +99,19 @@ def _read_tensors(path: str, option: str):
         raise InputError(f"{option}: expected a safetensors file, found \"{path}\" unreadable: {' '.join(str(e).split())}") from None
 
 
+def _check_writable(path: str, option: str) -> None:
+    import os
+    from pathlib import Path
+
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise InputError(f"{option}: expected a file in an existing folder, found no folder \"{parent}\"")
+    if Path(path).is_dir():
+        raise InputError(f"{option}: expected a file path, found a folder \"{path}\"")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"{option}: expected a writable folder, found \"{parent}\" read-only")
+
+
 def _cmd_run(args) -> int:
     import torch
 
@@ -112,6 +126,8 @@ def _cmd_run(args) -> int:
     if args.repeat < 1 or args.warmup < 0:
         raise InputError(f"--repeat/--warmup: expected --repeat >= 1 and --warmup >= 0, found {args.repeat} and {args.warmup}")
     device_map = parse_device_map_option(args.device_map) if args.device_map else None
+    if args.outputs:
+        _check_writable(args.outputs, "--outputs")
     p = read_pipeline(args.pipeline)
     inputs = _read_tensors(args.inputs, "--inputs") if args.inputs else random_inputs(p, args.seed)
     expected = _read_tensors(args.check, "--check") if args.check else None

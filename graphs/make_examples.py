@@ -83,25 +83,23 @@ def tp_mlp(folder: Path) -> None:
         a.constant(f"w4_{r}", shape=(D, hi - lo), dtype=F32, path=W, name_in_file="fc4.weight", placements=[[0, D], [lo, hi]])
         a.constant(f"lnw_{r}", shape=(D,), dtype=F32, path=W, name_in_file="ln.weight", placements=[[0, D]])
         a.constant(f"lnb_{r}", shape=(D,), dtype=F32, path=W, name_in_file="ln.bias", placements=[[0, D]])
-        if r == 0:  # row-parallel bias added once, on one slot only
+        # identical column-then-row graph on both slots: stored once in blobs
+        a.fx(s, lambda x, w1, b1, w2: F.gelu(F.linear(x, w1, b1)) @ w2.t(),
+             ["x", f"w1_{r}", f"b1_{r}", f"w2_{r}"], [f"p_{r}"], blob="col_row")
+        if r == 0:  # the row-parallel bias is added once, on one slot only
             a.constant("b2", shape=(D,), dtype=F32, path=W, name_in_file="fc2.bias", placements=[[0, D]])
             a.constant("b4", shape=(D,), dtype=F32, path=W, name_in_file="fc4.bias", placements=[[0, D]])
-            a.fx(s, lambda x, w1, b1, w2, b2: F.gelu(F.linear(x, w1, b1)) @ w2.t() + b2,
-                 ["x", f"w1_{r}", f"b1_{r}", f"w2_{r}", "b2"], [f"p_{r}"])
-        else:
-            a.fx(s, lambda x, w1, b1, w2: F.gelu(F.linear(x, w1, b1)) @ w2.t(),
-                 ["x", f"w1_{r}", f"b1_{r}", f"w2_{r}"], [f"p_{r}"])
-        partial.append((s, [f"p_{r}"], [f"s_{r}"]))
+            a.fx(s, lambda p, b2: p + b2, ["p_0", "b2"], ["pb_0"])
+        partial.append((s, [f"pb_{r}" if r == 0 else f"p_{r}"], [f"s_{r}"]))
     a.comm("all_reduce", "ar0", partial, reduce_op="sum")
     for r in range(n):
         s = str(r)
-        # identical graph on both slots: stored once in blobs
-        a.fx(s, lambda s_, x, lw, lb, w3, b3, w4: _block2(s_, x, lw, lb, w3, b3, w4),
-             [f"s_{r}", "x", f"lnw_{r}", f"lnb_{r}", f"w3_{r}", f"b3_{r}", f"w4_{r}"], [f"h_{r}", f"c_{r}"], blob="block2")
-        if r == 0:
-            a.fx(s, lambda c, h, b4: c + h + b4, [f"c_{r}", f"h_{r}", "b4"], [f"d_{r}"])
-            block2.append((s, [f"d_{r}"], ["y"]))
+        ins = [f"s_{r}", "x", f"lnw_{r}", f"lnb_{r}", f"w3_{r}", f"b3_{r}", f"w4_{r}"]
+        if r == 0:  # the residual and the bias join once, on slot 0
+            a.fx(s, lambda s_, x, lw, lb, w3, b3, w4, b4: _block2(s_, x, lw, lb, w3, b3, w4, b4), ins + ["b4"], ["d_0"])
+            block2.append((s, ["d_0"], ["y"]))
         else:
+            a.fx(s, lambda s_, x, lw, lb, w3, b3, w4: _block2(s_, x, lw, lb, w3, b3, w4), ins, [f"c_{r}"])
             block2.append((s, [f"c_{r}"], []))
     a.comm("reduce", "red0", block2, out_shape=(B, D), reduce_op="RedOpType.SUM", dst="0")
     a.output(["y"])
@@ -113,9 +111,10 @@ def tp_mlp(folder: Path) -> None:
     _finish(folder, a, m, {"x": x}, {"y": y})
 
 
-def _block2(s, x, lw, lb, w3, b3, w4):
+def _block2(s, x, lw, lb, w3, b3, w4, b4=None):
     h = F.layer_norm(x + s, (x.shape[-1],), lw, lb)
-    return h, F.relu(F.linear(h, w3, b3)) @ w4.t()
+    c = F.relu(F.linear(h, w3, b3)) @ w4.t()
+    return c if b4 is None else c + h + b4
 
 
 # ---------------------------------------------------------------- 2. two stages with a skip connection

@@ -50,9 +50,9 @@ def param_ref(p: Pipeline, name: str, opts: LoadOptions) -> tuple[ParamRef, str]
             known = ", ".join(sorted(p.param_files or {})) or "none declared"
             raise ValidationError(f"{where}.param_file: expected an id in param_files ({known}), found \"{v.param_file}\"")
         f = p.param_files[v.param_file]
-        raw, fmt, path_where = f.path, f.format, key_path("param_files", v.param_file) + ".path"
+        raw, fmt, path_where = f.path, f.format, key_path("param_files", v.param_file)
     else:
-        raw, fmt, path_where = v.path, v.format, where + ".path"
+        raw, fmt, path_where = v.path, v.format, where
     path = resolve_param_path(_base_dir(p), raw, where=path_where, allow_outside=opts.allow_outside_paths)
     return ParamRef(path=path, format=fmt, name=v.name, placements=v.placements), where
 
