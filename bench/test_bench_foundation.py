@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import fastpipe
-from bench.pipelines import chain_reference, write_chain_pipeline, write_load_pipeline
+from bench.pipelines import chain_reference, session_constants, touch_all, write_chain_pipeline, write_load_pipeline
 from fastpipe.weights import WeightStore
 
 CHAIN = 1000
@@ -30,15 +30,23 @@ def chain_file(tmp_path_factory):
 @pytest.mark.benchmark(group="load")
 def test_load_whole_file_baseline(benchmark, load_files):
     _, weights = load_files
-    out = benchmark(load_file, str(weights))
-    assert sum(t.numel() for t in out.values()) * 4 >= 200 * 2**20
+    total = benchmark(lambda: touch_all(load_file(str(weights)).values()))
+    whole = load_file(str(weights))
+    assert sum(t.numel() for t in whole.values()) * 4 >= 200 * 2**20
+    assert total == pytest.approx(touch_all(whole.values()), rel=1e-6)
 
 
 @pytest.mark.benchmark(group="load")
 def test_load_pipeline_slices(benchmark, load_files):
     pipeline, weights = load_files
-    sess = benchmark(lambda: fastpipe.load(pipeline, store=WeightStore()))
+    def load_and_read():
+        sess = fastpipe.load(pipeline, store=WeightStore())
+        touch_all(session_constants(sess))
+        return sess
+
+    sess = benchmark(load_and_read)
     whole = load_file(str(weights))
+    assert touch_all(session_constants(sess)) == pytest.approx(touch_all(whole.values()), rel=1e-5)
     y = sess.run({"x": torch.zeros(1024)})
     per = next(iter(whole.values())).shape[0] // 2
     torch.testing.assert_close(y["y1"], sum(w[per] for w in whole.values()))
