@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fastpipe import dtypes
+from fastpipe.comm.shapes import comm_output_shape
 from fastpipe.payload import encode_payload
 
 
@@ -112,7 +113,7 @@ class Assembler:
         src_tensor = self.doc["tensors"][src_name]
         n = len(members)
         for rank, (slot, ins, outs) in enumerate(members):
-            shape = list(out_shape) if out_shape is not None else _out_shape(kind, src_tensor["shape"], n, metadata)
+            shape = list(out_shape) if out_shape is not None else list(comm_output_shape(kind, src_tensor["shape"], n, metadata))
             for o in outs:
                 self.doc["tensors"][o] = {"shape": shape, "dtype": src_tensor["dtype"]}
             sid = self._id()
@@ -146,14 +147,3 @@ class Assembler:
         doc["supertasks"] = {"in": sts["in"], **{k: v for k, v in sts.items() if k not in ("in", "out")}, "out": sts["out"]}
         return doc
 
-
-def _out_shape(kind: str, shape: Sequence[int], n: int, meta: dict) -> list[int]:
-    out = list(shape)
-    if kind in ("all_gather", "gather"):
-        out[meta["dim"]] *= n
-    elif kind == "reduce_scatter":
-        out[meta["dim"]] //= n
-    elif kind == "all_to_all":
-        out[meta["src_dim"]] //= n
-        out[meta["dst_dim"]] *= n
-    return out

@@ -20,6 +20,7 @@ from fastpipe.runtime.inputs import check_inputs
 from fastpipe.runtime.reference import ReferenceRunner
 from fastpipe.runtime.steps import comm_step, compute_step
 from fastpipe.validate import Checked, validate
+from fastpipe.validate.order import node_of
 from fastpipe.validate.sources import payload_text
 from fastpipe.weights import WeightStore, default_store
 
@@ -47,8 +48,8 @@ class Session:
         graphs = self.checked.graphs or {}
         steps, done_groups = [], set()
         by_node = {}
-        for sid, st in p.supertasks.items():
-            by_node.setdefault(f"group \"{st.group}\"" if st.is_comm else f"supertasks[\"{sid}\"]", sid)
+        for sid in p.supertasks:
+            by_node.setdefault(node_of(p, sid), sid)
         for node in self.checked.order:
             sid = by_node[node]
             st = p.supertasks[sid]

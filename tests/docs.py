@@ -51,3 +51,20 @@ def comm_doc(kind: str, n: int, in_shape, out_shapes, metadata: dict, *, dtype: 
                       "device_idx": r, "metadata": copy.deepcopy(metadata)}
     s["out"] = {"kind": "output", "inputs": outs, "outputs": []}
     return {"name": kind, "devices": {str(r): {"kind": "cpu", "idx": r} for r in range(n)}, "tensors": t, "supertasks": s}
+
+
+def write_bad_index_pipeline(folder, n_ids: int = 3):
+    """One slot, y = table[ids]: valid, but fails at run time when an id is out of range."""
+    import json
+
+    from fastpipe.assemble import Assembler
+
+    a = Assembler("bad_index")
+    a.slot("0", "cpu:0")
+    a.input("ids", (n_ids,), "i64")
+    a.input("table", (4, 2), "f32")
+    a.fx("0", lambda i, t: t[i], ["ids", "table"], ["y"])
+    a.output(["y"])
+    path = folder / "p.json"
+    path.write_text(json.dumps(a.to_json()))
+    return path

@@ -121,15 +121,9 @@ def test_wrong_inputs_exit_2(capsys, tmp_path):
 
 
 def test_failed_run_exit_1_and_no_output_file(capsys, tmp_path):
-    from fastpipe.assemble import Assembler
+    from tests.docs import write_bad_index_pipeline
 
-    a = Assembler("bad_index")
-    a.slot("0", "cpu:0")
-    a.input("ids", (2,), "i64")
-    a.input("table", (4, 2), "f32")
-    a.fx("0", lambda i, t: t[i], ["ids", "table"], ["y"])
-    a.output(["y"])
-    (tmp_path / "p.json").write_text(json.dumps(a.to_json()))
+    write_bad_index_pipeline(tmp_path, n_ids=2)
     save_file({"ids": torch.tensor([0, 9]), "table": torch.zeros(4, 2)}, str(tmp_path / "in.safetensors"))
     out = tmp_path / "out.safetensors"
     code, _, err = cli(capsys, "run", tmp_path / "p.json", "--inputs", tmp_path / "in.safetensors", "--outputs", out)

@@ -166,3 +166,13 @@ def test_parse_keeps_source_dir(tmp_path):
 def test_missing_pipeline_file(tmp_path):
     with pytest.raises(FormatError, match="cannot read pipeline file"):
         read_pipeline(tmp_path / "nope.json")
+
+
+def test_write_pipeline_is_atomic_and_round_trips(tmp_path):
+    from fastpipe.format import write_pipeline
+
+    p = load(tp_doc())
+    target = tmp_path / "out.json"
+    write_pipeline(p, target)
+    assert read_pipeline(target) == p
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out.json"]   # no temporary left behind

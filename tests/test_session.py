@@ -97,16 +97,9 @@ def test_inputs_checked_before_running(inputs, pattern):
 
 def test_failing_supertask_names_supertask_and_slot(tmp_path):
     """A graph that fails at run time (index out of range) is reported with its supertask and slot."""
-    from fastpipe.assemble import Assembler
+    from tests.docs import write_bad_index_pipeline
 
-    a = Assembler("bad_index")
-    a.slot("0", "cpu:0")
-    a.input("ids", (3,), "i64")
-    a.input("table", (4, 2), "f32")
-    a.fx("0", lambda i, t: t[i], ["ids", "table"], ["y"])
-    a.output(["y"])
-    (tmp_path / "p.json").write_text(json.dumps(a.to_json()))
-    sess = fastpipe.load(tmp_path / "p.json")
+    sess = fastpipe.load(write_bad_index_pipeline(tmp_path))
     with pytest.raises(RunError, match=r'^supertasks\["1"\] on slot "0": failed: IndexError: '):
         sess.run({"ids": torch.tensor([0, 1, 7]), "table": torch.zeros(4, 2)})
     assert sess.run({"ids": torch.tensor([0, 1, 3]), "table": torch.ones(4, 2)})["y"].shape == (3, 2)

@@ -3,6 +3,7 @@ each fx graph ready to call on its slot's device."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 
@@ -60,7 +61,7 @@ class Binder:
         tensors = {}
         for attr, (raw, fmt, saved) in g.external_constants.items():
             w = f"{where}: metadata.constant_saved_info[\"{attr}\"]"
-            path = resolve_param_path(self.p.source_dir, raw, where=w, allow_outside=self.opts.allow_outside_paths)
+            path = resolve_param_path(self.p.source_dir or Path.cwd(), raw, where=w, allow_outside=self.opts.allow_outside_paths)
             fake = getattr(g.gm, attr, None)
             if fake is None:
                 raise PayloadError(f"{w}: expected a constant the graph uses, found \"{attr}\"")

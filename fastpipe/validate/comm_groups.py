@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from fastpipe import dtypes
 from fastpipe.comm.reduce_ops import canonical_reduce_op
+from fastpipe.comm.shapes import comm_output_shape
 from fastpipe.errors import ValidationError, key_path
 from fastpipe.format.fields import show
 from fastpipe.format.model import COMM_METADATA_KEYS, Pipeline, SuperTask
@@ -175,18 +176,11 @@ def _check_shapes(p: Pipeline, sts, members, kind: str, params: dict, n: int, x)
     if params.get("reduce_op") == "avg" and not dtypes.is_floating(dtype):
         raise ValidationError(f"{_st(members[0])}.metadata.reduce_op: expected sum, max or min for dtype {dtype} "
                               f"(avg needs a floating dtype), found avg")
-    out = list(in_shape)
     for key in ("dim", "src_dim"):
         if key in params and kind in ("reduce_scatter", "all_to_all") and in_shape[params[key]] % n:
             raise ValidationError(f"{_st(members[0])}.metadata.{key}: expected a dim whose size divides by the group size {n}, "
                                   f"found dim {params[key]} of size {in_shape[params[key]]}")
-    if kind in ("all_gather", "gather"):
-        out[params["dim"]] *= n
-    elif kind == "reduce_scatter":
-        out[params["dim"]] //= n
-    elif kind == "all_to_all":
-        out[params["src_dim"]] //= n
-        out[params["dst_dim"]] *= n
+    out = comm_output_shape(kind, in_shape, n, params)
     for sid in members:
         for i, name in enumerate(sts[sid].outputs):
             t = p.tensors[name]
