@@ -1,0 +1,190 @@
+"""Build a tensor- and pipeline-parallel pipeline from a local Hugging Face checkpoint folder.
+
+    built = build_hf("path/to/model", tp=2, pp=2, batch=1, seq_len=128)       # no KV cache
+    built = build_hf(..., past_len=0)     # prefill: also outputs the KV cache
+    built = build_hf(..., past_len=P)     # decode step: takes and returns the KV cache
+    built.save("out/")                    # out/pipeline.json; the checkpoint files hard-linked in place
+
+The model is instantiated on the meta device (no weight is read: only the
+safetensors headers). Each rank gets a copy whose planned modules are replaced
+by the tensor-parallel layers of fastpipe.build.tp_layers (plan:
+fastpipe.build.hf.plans); decoder layers are cut into `pp` even stages. Every
+constant is a slice of the original checkpoint tensor.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fastpipe import dtypes
+from fastpipe.build import markers
+from fastpipe.build.api import Built
+from fastpipe.build.emit import Emitter, IOSpec, RankGraph, StoredParam
+from fastpipe.build.hf import plans
+from fastpipe.build.hf.checkpoint import checkpoint_index
+from fastpipe.build.hf.load import load_skeleton
+from fastpipe.build.hf.trace import flat_signature, traced_forward
+from fastpipe.build.sharding import apply_sharding
+from fastpipe.build.sources import Source
+from fastpipe.build.tp_layers import ColumnLinear, RowLinear, VocabEmbedding
+from fastpipe.errors import InvalidInput
+from fastpipe.format import parse_pipeline
+from fastpipe.validate import validate_structure
+
+LAYERS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "encoder.layer"}
+# where the embeddings leave, for sequence parallelism (replicated -> sequence shards)
+EMBED_OUT = {"gpt2": "transformer.drop", "llama": "model.embed_tokens"}
+
+
+def even_split_points(family: str, n_layers: int, pp: int) -> list[str]:
+    if pp > n_layers:
+        raise InvalidInput(f"pp: expected at most the number of layers ({n_layers}), found {pp}")
+    return [f"{LAYERS[family]}.{(s * n_layers) // pp}" for s in range(1, pp)]
+
+
+def _module_rules(plan, model) -> dict[str, str]:
+    """module name -> plan kind of its weight."""
+    out = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        mod, _, leaf = name.rpartition(".")
+        if leaf == "weight":
+            out[mod] = plan.rule_for(name)
+    return out
+
+
+def rank_local(model, family: str, plan, rank: int, tp: int, *, sequence_parallel: bool,
+               split_points: dict[str, int]):
+    """A meta copy of `model` with this rank's layers; returns (local, sources by local param name)."""
+    local = copy.deepcopy(model)
+    rules = _module_rules(plan, model)
+    sp = sequence_parallel and tp > 1
+    reduce_to = "shard:1" if sp else "replicate"
+    in_layout = "shard:1" if sp else None
+    for mod_name, rule in rules.items():
+        mod = model.get_submodule(mod_name)
+        shape = tuple(mod.weight.shape)
+        has_bias = getattr(mod, "bias", None) is not None
+        transposed = type(mod).__name__ == "Conv1D"
+        k = rule.kind
+        new = None
+        if tp == 1 or k == "replicate":
+            continue
+        if k in ("column", "column_packed"):
+            new = ColumnLinear(mod_name, shape, has_bias, rank, tp, transposed=transposed,
+                               parts=list(rule.parts) if rule.parts else None, input_layout=in_layout)
+        elif k == "kv_column":
+            heads = plans.kv_heads_for_rank(rank, tp, plan.n_q_heads, plan.n_kv_heads)
+            new = ColumnLinear(mod_name, shape, has_bias, rank, tp, transposed=transposed,
+                               part_ranges=[(heads.start * plan.head_dim, heads.stop * plan.head_dim)],
+                               input_layout=in_layout)
+        elif k == "row":
+            new = RowLinear(mod_name, shape, has_bias, rank, tp, transposed=transposed, reduce_to=reduce_to)
+        elif k == "vocab_embedding":
+            new = VocabEmbedding(mod_name, shape, rank, tp, reduce_to="replicate")
+        elif k == "lm_head":
+            if plans.lm_head_sharded(plan.vocab_size, tp):
+                new = ColumnLinear(mod_name, shape, has_bias, rank, tp, gather=True, input_layout=in_layout)
+            elif sp:
+                new = None   # a whole head on every rank; its input still needs the sequence gathered
+                _gather_input(local.get_submodule(mod_name), tp)
+        if new is not None:
+            parent, _, attr = mod_name.rpartition(".")
+            setattr(local.get_submodule(parent) if parent else local, attr, new)
+    if tp > 1:
+        for pattern, attrs in plans.attribute_updates(plan, tp):
+            for mod_name, mod in local.named_modules():
+                if re.fullmatch(pattern, mod_name) and not isinstance(mod, (ColumnLinear, RowLinear, VocabEmbedding)):
+                    for attr, value in attrs.items():
+                        setattr(mod, attr, value)
+    if sp:
+        if family not in EMBED_OUT:
+            raise InvalidInput(f"sequence_parallel: supported for decoders (gpt2, llama), found {family}")
+        local.get_submodule(EMBED_OUT[family]).register_forward_hook(
+            lambda m, a, out: markers.transition(out, "replicate", "shard:1", tp))
+    for name, stage in split_points.items():
+        local.get_submodule(name).register_forward_pre_hook(_pipe_split(stage))
+    sources: dict[str, Source] = {}
+    for mname, m in local.named_modules():
+        if isinstance(m, (ColumnLinear, RowLinear, VocabEmbedding)):
+            for pname, src in m.sources.items():
+                sources[f"{mname}.{pname}"] = src
+    for pname, p in local.named_parameters():
+        sources.setdefault(pname, Source.whole(pname, p.shape))
+    return local, sources
+
+
+def _gather_input(mod, tp: int) -> None:
+    mod.register_forward_pre_hook(lambda m, args: (markers.transition(args[0], "shard:1", "replicate", tp),) + args[1:])
+
+
+def _pipe_split(stage: int):
+    def hook(module, args, kwargs=None):
+        if args and isinstance(args[0], torch.Tensor):
+            return (markers.pipe_split(args[0], stage),) + tuple(args[1:])
+        return None
+    return hook
+
+
+def build_hf(model_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 1, seq_len: int = 128,
+             past_len: int | None = None, split_points: list[str] | None = None,
+             sequence_parallel: bool = False, dtype: torch.dtype | None = None) -> Built:
+    model_dir = Path(model_dir)
+    model, config, family = load_skeleton(model_dir, dtype=dtype)
+    index = checkpoint_index(model_dir, model)
+    plan = plans.tp_plan(family, config)
+    plans.check_plan(plan, model, tp)
+    n_layers = len(model.get_submodule(LAYERS[family]))
+    points = split_points if split_points is not None else even_split_points(family, n_layers, pp)
+    if len(points) != pp - 1:
+        raise InvalidInput(f"split_points: expected {pp - 1} module names for pp={pp}, found {len(points)}")
+    stages = {name: i + 1 for i, name in enumerate(points)}
+    if sequence_parallel and tp > 1 and seq_len % tp:
+        raise InvalidInput(f"sequence_parallel: expected seq_len divisible by tp={tp}, found {seq_len}")
+    if family == "bert":
+        past_len = None
+    full_sig = flat_signature(family, config, batch, seq_len, past_len, dtype=next(model.parameters()).dtype,
+                              pooler=getattr(model, "pooler", None) is not None)
+    q_local, kv_local = plans.local_heads(plan.n_q_heads, plan.n_kv_heads, tp)
+    name = f"{model_dir.name}-tp{tp}-pp{pp}"
+    files = sorted({st.file for st in index.values()})
+    emitter = Emitter(name, tp, pp, lambda p: StoredParam(index[p].file, index[p].name_in_file))
+    for rank in range(tp):
+        local, sources = rank_local(model, family, plan, rank, tp, sequence_parallel=sequence_parallel,
+                                    split_points=stages)
+        ff = traced_forward(local, family, config, batch=batch, seq_len=seq_len, past_len=past_len,
+                            num_kv_heads=kv_local)
+        pnames = list(ff.param_names)
+        shapes = {n: (tuple(p.shape), p.dtype) for n, p in local.named_parameters()}
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            fparams = [torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in pnames]
+            finputs = [torch.empty(t.shape, dtype=t.dtype) for t in ff.signature.inputs]
+        n = len(pnames)
+
+        def flat(*xs, ff=ff, n=n, pnames=pnames):
+            return tuple(ff.fn(dict(zip(pnames, xs[:n])), *xs[n:]))
+
+        gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*fparams, *finputs)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        apply_sharding(gm, rank, tp)
+        heads = plans.kv_heads_for_rank(rank, tp, plan.n_q_heads, plan.n_kv_heads)
+
+        def io(full, local_t):
+            pl = None
+            if full.name.startswith("past_key_values_") and tp > 1:
+                pl = tuple((heads.start, heads.stop) if d == 1 else (0, s) for d, s in enumerate(full.shape))
+            return IOSpec(full.name, pl, full.idx, tuple(full.shape), dtypes.to_name(full.dtype))
+
+        rg = RankGraph(gm, [sources[p] for p in pnames],
+                       [io(f, l) for f, l in zip(full_sig.inputs, ff.signature.inputs)],
+                       [io(f, l) for f, l in zip(full_sig.outputs, ff.signature.outputs)])
+        emitter.add_rank(rank, rg)
+    doc = emitter.finish()
+    validate_structure(parse_pipeline(doc))
+    return Built(doc, links={f: model_dir / f for f in files})

@@ -1,0 +1,338 @@
+"""A Hugging Face model as a flat function of tensors, ready for make_fx.
+
+    ff = traced_forward(model, family, config, batch=2, seq_len=8, past_len=5)
+    gm = trace_fake(ff, params)              # make_fx(ff.fn, tracing_mode="fake")
+    outs = gm(*ordered(params), *inputs)     # placeholders: ff.param_names, then ff.signature.inputs
+
+``ff.fn(params: dict[str, Tensor], *flat_inputs) -> tuple[Tensor, ...]`` calls
+``torch.func.functional_call(model, params, ...)``, so every weight is an
+explicit input. ``params`` holds the model's parameters under their
+deduplicated names (``model.named_parameters()``: a tied ``lm_head.weight``
+appears once, as ``transformer.wte.weight``), its persistent buffers (none in
+these families) and, optionally, the non-persistent buffers (Llama
+``rotary_emb.inv_freq``, BERT ``embeddings.position_ids`` ...): given, they are
+graph inputs like weights; left out, the module's real CPU values are used and
+make_fx records them as ``get_attr`` constants (which the payload encoder lifts
+into the embedded-constants blob) -- that needs ``_allow_non_fake_inputs``,
+see ``trace_fake(..., buffers="constants")``.
+
+Flat inputs/outputs (SPEC naming; ``idx`` = position among the flat model
+inputs, resp. outputs, weights not counted):
+  decoders (gpt2, llama), ``past_len`` =
+    None  no KV cache:  in  input_ids[B,S]                    out logits[B,S,V]
+    0     prefill:      in  input_ids[B,S]                    out logits, past_key_values_{l}_{0|1}[B,Hkv,S,D]
+    P>0   decode step:  in  input_ids[B,S], past_key_values_{l}_{0|1}[B,Hkv,P,D]
+                                                              out logits, past_key_values_{l}_{0|1}[B,Hkv,P+S,D]
+    ({l} the block, 0 = keys, 1 = values; inputs and outputs are ordered
+    l0k, l0v, l1k, ...). Positions are P..P+S-1: the model derives them from the
+    cache length (a static shape), no position_ids input. No attention_mask:
+    every token attends causally to the whole past (no padding).
+  bert: in input_ids, attention_mask, token_type_ids [B,S] int64 (mask 1 = keep);
+        out last_hidden_state[B,S,H] and, if the model has a pooler, pooler_output[B,H].
+
+The KV cache inside ``fn`` is a transformers ``DynamicCache`` whose layers are
+``_FlatLayer``s holding the flat tensors: ``update`` concatenates the new
+keys/values (``aten.cat`` on dim -2), and with no past takes them as they are
+(``DynamicLayer`` would instead cat onto a ``torch.tensor([])`` constant). A
+decoder without a cache still runs with an empty cache: with
+``past_key_values=None`` transformers adds packed-sequence detection ops
+(diff/cumsum on position ids) to the mask; with an empty cache the mask is
+the plain causal one, which is what the HF model computes for unpadded input.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fastpipe.errors import InvalidInput
+
+# Union of call_function targets seen when tracing the three families with
+# attn_implementation="eager", fp32 and bf16, with and without a KV cache
+# (torch 2.13, transformers 5.23; tests/test_hf_harness.py checks every trace
+# against it). aten.detach appears only when the traced params require grad
+# (nn.Parameters passed as they are: Llama's rotary runs under no_grad).
+ATEN_OPS = frozenset({
+    "aten._softmax.default", "aten._to_copy.default", "aten._unsafe_view.default", "aten.add.Tensor",
+    "aten.addmm.default", "aten.alias.default", "aten.arange.default", "aten.bitwise_and.Tensor",
+    "aten.bmm.default", "aten.cat.default", "aten.clone.default", "aten.cos.default", "aten.detach.default",
+    "aten.embedding.default", "aten.expand.default", "aten.ge.Scalar", "aten.gelu.default",
+    "aten.index.Tensor", "aten.le.Tensor", "aten.mean.dim", "aten.mm.default", "aten.mul.Tensor",
+    "aten.native_layer_norm.default", "aten.neg.default", "aten.new_ones.default", "aten.pow.Tensor_Scalar",
+    "aten.rsqrt.default", "aten.scalar_tensor.default", "aten.select.int", "aten.silu.default",
+    "aten.sin.default", "aten.slice.Tensor", "aten.split.Tensor", "aten.t.default", "aten.tanh.default",
+    "aten.transpose.int", "aten.unsqueeze.default", "aten.view.default", "aten.where.self",
+    "aten.zeros.default", "operator.getitem",
+})
+
+
+@dataclass(frozen=True)
+class FlatTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    idx: int
+
+
+@dataclass(frozen=True)
+class FlatSignature:
+    family: str
+    batch: int
+    seq_len: int
+    past_len: int | None      # None: no KV cache
+    inputs: tuple[FlatTensor, ...]
+    outputs: tuple[FlatTensor, ...]
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def example_inputs(self, *, seed: int = 0, vocab_size: int, device="cpu") -> list[torch.Tensor]:
+        """Real random inputs matching the signature (ids < vocab_size, masks of ones, 0/1 token types)."""
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for t in self.inputs:
+            if t.name == "input_ids":
+                x = torch.randint(0, vocab_size, t.shape, generator=g)
+            elif t.name == "attention_mask":
+                x = torch.ones(t.shape, dtype=t.dtype)
+            elif t.name == "token_type_ids":
+                x = torch.randint(0, 2, t.shape, generator=g)
+            else:
+                x = torch.randn(t.shape, generator=g)
+            out.append(x.to(device=device, dtype=t.dtype))
+        return out
+
+
+def kv_name(layer: int, which: int) -> str:
+    """``past_key_values_{layer}_{0 keys | 1 values}``."""
+    return f"past_key_values_{layer}_{which}"
+
+
+def _dtype(config, dtype):
+    if dtype is not None:
+        return dtype
+    d = getattr(config, "dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) else torch.float32
+
+
+def attention_dims(family: str, config) -> tuple[int, int, int, int]:
+    """(num_layers, num_q_heads, num_kv_heads, head_dim) of the unsplit model."""
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    if family == "llama":
+        kv = config.num_key_value_heads or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    else:
+        kv, head_dim = heads, config.hidden_size // heads
+    return layers, heads, kv, head_dim
+
+
+def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int | None = 0, *,
+                   dtype: torch.dtype | None = None, num_kv_heads: int | None = None,
+                   pooler: bool = True) -> FlatSignature:
+    """Names, shapes, dtypes and idx of the flat inputs/outputs (see module docstring).
+
+    ``dtype``: of the cache and the float outputs (default: config.dtype or
+    float32). ``num_kv_heads`` overrides the KV head count (a rank-local
+    module's). ``pooler``: BERT only, whether pooler_output exists.
+    """
+    if batch < 1 or seq_len < 1:
+        raise InvalidInput(f"batch, seq_len: expected >= 1, found {batch}, {seq_len}")
+    dt = _dtype(config, dtype)
+    i64 = torch.int64
+    ins: list[tuple] = [("input_ids", (batch, seq_len), i64)]
+    outs: list[tuple] = []
+    if family == "bert":
+        if past_len not in (None, 0):
+            raise InvalidInput(f"past_len: expected None or 0 for bert (no KV cache), found {past_len}")
+        ins += [("attention_mask", (batch, seq_len), i64), ("token_type_ids", (batch, seq_len), i64)]
+        outs.append(("last_hidden_state", (batch, seq_len, config.hidden_size), dt))
+        if pooler:
+            outs.append(("pooler_output", (batch, config.hidden_size), dt))
+        past_len = None
+    elif family in ("gpt2", "llama"):
+        outs.append(("logits", (batch, seq_len, config.vocab_size), dt))
+        if past_len is not None:
+            if past_len < 0:
+                raise InvalidInput(f"past_len: expected None or >= 0, found {past_len}")
+            layers, _, kv, head_dim = attention_dims(family, config)
+            kv = num_kv_heads or kv
+            for layer in range(layers):
+                for which in (0, 1):
+                    if past_len > 0:
+                        ins.append((kv_name(layer, which), (batch, kv, past_len, head_dim), dt))
+                    outs.append((kv_name(layer, which), (batch, kv, past_len + seq_len, head_dim), dt))
+    else:
+        raise InvalidInput(f"family: expected gpt2, llama or bert, found {family!r}")
+    return FlatSignature(
+        family, batch, seq_len, past_len,
+        tuple(FlatTensor(n, s, d, i) for i, (n, s, d) in enumerate(ins)),
+        tuple(FlatTensor(n, s, d, i) for i, (n, s, d) in enumerate(outs)),
+    )
+
+
+@functools.cache
+def _cache_classes():
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class _FlatLayer(DynamicLayer):
+        """A full-attention cache layer over given tensors; no empty-tensor constant, no lazy init."""
+
+        def __init__(self, keys=None, values=None):
+            super().__init__()
+            if keys is not None:
+                self._take(keys, values)
+
+        def _take(self, keys, values):
+            self.keys, self.values = keys, values
+            self.dtype, self.device = keys.dtype, keys.device
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states, value_states):
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if self.keys is None:
+                self._take(key_states, value_states)
+            else:
+                self.keys = torch.cat([self.keys, key_states], dim=-2)
+                self.values = torch.cat([self.values, value_states], dim=-2)
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return 0 if self.keys is None else self.keys.shape[-2]
+
+    return DynamicCache, _FlatLayer
+
+
+def flat_cache(num_layers: int, past: tuple[torch.Tensor, ...] | list[torch.Tensor]):
+    """A transformers DynamicCache over flat tensors [l0 keys, l0 values, l1 keys, ...] (empty if none)."""
+    DynamicCache, FlatLayer = _cache_classes()
+    if past and len(past) != 2 * num_layers:
+        raise InvalidInput(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = None
+    cache.layers = [FlatLayer(past[2 * l], past[2 * l + 1]) if past else FlatLayer() for l in range(num_layers)]
+    return cache
+
+
+@dataclass(frozen=True)
+class FlatForward:
+    fn: Callable                       # fn(params: dict, *flat_inputs) -> tuple of flat outputs
+    signature: FlatSignature
+    param_names: tuple[str, ...]       # required: deduplicated parameters + persistent buffers
+    buffer_names: tuple[str, ...]      # optional: non-persistent buffers (real values on the skeleton)
+
+    @property
+    def all_names(self) -> tuple[str, ...]:
+        return self.param_names + self.buffer_names
+
+
+def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
+                   past_len: int | None = 0, num_kv_heads: int | None = None) -> FlatForward:
+    """The flat function of ``model`` for one static shape (see module docstring).
+
+    ``num_kv_heads``: the KV heads the module holds when it is a rank-local
+    copy (``plans.local_heads``); only the signature's cache shapes use it.
+    """
+    non_persistent = tuple(n for n, _ in model.named_non_persistent_buffers())
+    params = tuple(n for n, _ in model.named_parameters())
+    params += tuple(n for n, _ in model.named_buffers() if n not in non_persistent)
+    pooler = getattr(model, "pooler", None) is not None
+    if model.training:
+        raise InvalidInput("model: expected eval mode (dropout off), found training mode")
+    dtype = next(iter(model.parameters())).dtype
+    layers = attention_dims(family, config)[0]
+    sig = flat_signature(family, config, batch, seq_len, past_len, dtype=dtype, pooler=pooler,
+                         num_kv_heads=num_kv_heads)
+    n_in = len(sig.inputs)
+
+    def check(ps: Mapping[str, torch.Tensor], flat: tuple) -> None:
+        if len(flat) != n_in:
+            raise InvalidInput(f"flat inputs: expected {n_in} ({', '.join(sig.input_names)}), found {len(flat)}")
+        missing = [n for n in params if n not in ps]
+        if missing:
+            raise InvalidInput(f"params[{missing[0]!r}]: expected a tensor, found none ({len(missing)} missing)")
+
+    if family == "bert":
+        def fn(ps, input_ids, attention_mask, token_type_ids):
+            check(ps, (input_ids, attention_mask, token_type_ids))
+            out = torch.func.functional_call(model, dict(ps), (), {
+                "input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids})
+            res = (out.last_hidden_state,)
+            return res + (out.pooler_output,) if pooler else res
+    else:
+        def fn(ps, input_ids, *past):
+            check(ps, (input_ids, *past))
+            cache = flat_cache(layers, past)
+            out = torch.func.functional_call(model, dict(ps), (), {
+                "input_ids": input_ids, "past_key_values": cache, "use_cache": True})
+            res = [out.logits]
+            if past_len is not None:
+                for layer in cache.layers:
+                    res += [layer.keys.contiguous(), layer.values.contiguous()]
+            return tuple(res)
+
+    return FlatForward(fn, sig, params, non_persistent)
+
+
+def ordered(ff: FlatForward, params: Mapping[str, torch.Tensor], *, buffers: bool = True) -> dict[str, torch.Tensor]:
+    """``params`` as the dict ``ff.fn`` takes, in ``ff.param_names`` (+ ``ff.buffer_names``) order.
+
+    make_fx flattens the dict in this order, so the GraphModule's first
+    placeholders are these names, then the flat inputs.
+    """
+    names = ff.all_names if buffers else ff.param_names
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise InvalidInput(f"params[{missing[0]!r}]: expected a tensor, found none ({len(missing)} missing)")
+    return {n: params[n] for n in names}
+
+
+def trace_fake(ff: FlatForward, params: Mapping[str, torch.Tensor], *, device="cpu",
+               buffers: str = "inputs", inputs: list[torch.Tensor] | None = None) -> torch.fx.GraphModule:
+    """make_fx(ff.fn, tracing_mode="fake") with fake tensors built from ``params``' shapes/dtypes on ``device``.
+
+    ``params`` may be meta, fake or real (only metadata is used).
+    ``buffers="inputs"``: the non-persistent buffers are placeholders too
+    (values: ``skeleton_buffers(model)``); ``"constants"``: they become
+    ``get_attr`` constants of the GraphModule (their real CPU values).
+    ``inputs``: fake/real tensors to trace with instead of the signature's.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if buffers not in ("inputs", "constants"):
+        raise InvalidInput(f"buffers: expected 'inputs' or 'constants', found {buffers!r}")
+    as_inputs = buffers == "inputs"
+    ps = ordered(ff, params, buffers=as_inputs)
+    mode = FakeTensorMode(allow_non_fake_inputs=not as_inputs)
+    with mode:
+        fparams = {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t in ps.items()}
+        if inputs is None:
+            finputs = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in ff.signature.inputs]
+        else:
+            finputs = [mode.from_tensor(x) if not isinstance(x, torch._subclasses.FakeTensor) else x
+                       for x in inputs]
+    return make_fx(ff.fn, tracing_mode="fake", _allow_non_fake_inputs=not as_inputs)(fparams, *finputs)
+
+
+def call_targets(gm: torch.fx.GraphModule) -> set[str]:
+    """The call_function targets of a traced graph, as strings ("aten.mm.default", "operator.getitem")."""
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            t = n.target
+            out.add(f"operator.{t.__name__}" if getattr(t, "__module__", None) == "_operator" else str(t))
+    return out
