@@ -223,9 +223,10 @@ class Emitter:
         for spec, n in zip(rg.outputs, outs):
             n = resolve(n)
             slot = producer_slot[n]
-            name = spec.name if (rank == 0 or spec.placements is not None) and spec.placements is None else f"{spec.name}_rank{rank}"
-            if spec.placements is None and rank != 0:
-                name = f"{spec.name}_rank{rank}"
+            base = spec.name
+            if base in self.doc["metadata"]["tensors"]["inputs"]:
+                base = f"{base}_new"          # an updated input (a KV cache): outputs get their own tensor names
+            name = base if spec.placements is None and rank == 0 else f"{base}_rank{rank}"
             src_name = names[(n, slot)]
             # rename the produced tensor to the output name
             self._rename(src_name, name)

@@ -37,8 +37,13 @@ from fastpipe.format import parse_pipeline
 from fastpipe.validate import validate_structure
 
 LAYERS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "encoder.layer"}
-# where the embeddings leave, for sequence parallelism (replicated -> sequence shards)
-EMBED_OUT = {"gpt2": "transformer.drop", "llama": "model.embed_tokens"}
+# sequence parallelism: where the embeddings leave (replicated -> sequence shards), and the modules
+# whose input must be gathered first (HF attention takes its output shape from its input's shape)
+# (hook, module): "post" slices a module's output, "pre" its hidden_states input. Llama derives its rotary
+# positions from the embeddings' sequence length, so it is sliced at the first decoder layer instead.
+SP_SCATTER = {"gpt2": ("post", "transformer.drop"), "llama": ("pre", "model.layers.0")}
+SP_GATHER = {"gpt2": (r"transformer\.h\.\d+\.(attn|mlp)", r"transformer\.ln_f"),
+             "llama": (r"model\.layers\.\d+\.(self_attn|mlp)", r"model\.norm")}
 
 
 def even_split_points(family: str, n_layers: int, pp: int) -> list[str]:
@@ -64,7 +69,7 @@ def rank_local(model, family: str, plan, rank: int, tp: int, *, sequence_paralle
     rules = _module_rules(plan, model)
     sp = sequence_parallel and tp > 1
     reduce_to = "shard:1" if sp else "replicate"
-    in_layout = "shard:1" if sp else None
+    in_layout = None    # with sequence parallelism whole modules gather their input (SP_GATHER)
     for mod_name, rule in rules.items():
         mod = model.get_submodule(mod_name)
         shape = tuple(mod.weight.shape)
@@ -89,9 +94,6 @@ def rank_local(model, family: str, plan, rank: int, tp: int, *, sequence_paralle
         elif k == "lm_head":
             if plans.lm_head_sharded(plan.vocab_size, tp):
                 new = ColumnLinear(mod_name, shape, has_bias, rank, tp, gather=True, input_layout=in_layout)
-            elif sp:
-                new = None   # a whole head on every rank; its input still needs the sequence gathered
-                _gather_input(local.get_submodule(mod_name), tp)
         if new is not None:
             parent, _, attr = mod_name.rpartition(".")
             setattr(local.get_submodule(parent) if parent else local, attr, new)
@@ -102,10 +104,19 @@ def rank_local(model, family: str, plan, rank: int, tp: int, *, sequence_paralle
                     for attr, value in attrs.items():
                         setattr(mod, attr, value)
     if sp:
-        if family not in EMBED_OUT:
+        if family not in SP_SCATTER:
             raise InvalidInput(f"sequence_parallel: supported for decoders (gpt2, llama), found {family}")
-        local.get_submodule(EMBED_OUT[family]).register_forward_hook(
-            lambda m, a, out: markers.transition(out, "replicate", "shard:1", tp))
+        when, where = SP_SCATTER[family]
+        if when == "post":
+            local.get_submodule(where).register_forward_hook(
+                lambda m, a, out: markers.transition(out, "replicate", "shard:1", tp))
+        else:
+            local.get_submodule(where).register_forward_pre_hook(_hidden_transition("replicate", "shard:1", tp),
+                                                                  with_kwargs=True)
+        for pattern in SP_GATHER[family]:
+            for mod_name, mod in local.named_modules():
+                if re.fullmatch(pattern, mod_name):
+                    mod.register_forward_pre_hook(_gather_hidden(tp), with_kwargs=True)
     for name, stage in split_points.items():
         local.get_submodule(name).register_forward_pre_hook(_pipe_split(stage))
     sources: dict[str, Source] = {}
@@ -118,8 +129,20 @@ def rank_local(model, family: str, plan, rank: int, tp: int, *, sequence_paralle
     return local, sources
 
 
-def _gather_input(mod, tp: int) -> None:
-    mod.register_forward_pre_hook(lambda m, args: (markers.transition(args[0], "shard:1", "replicate", tp),) + args[1:])
+def _hidden_transition(src: str, dst: str, tp: int):
+    """Pre-hook: move `hidden_states` (first positional or keyword) from layout src to dst."""
+    def hook(module, args, kwargs):
+        if args and isinstance(args[0], torch.Tensor):
+            args = (markers.transition(args[0], src, dst, tp),) + tuple(args[1:])
+        elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            kwargs = dict(kwargs, hidden_states=markers.transition(kwargs["hidden_states"], src, dst, tp))
+        return args, kwargs
+    return hook
+
+
+def _gather_hidden(tp: int):
+    """Pre-hook: all-gather the sequence shards of `hidden_states` before a module that needs the whole sequence."""
+    return _hidden_transition("shard:1", "replicate", tp)
 
 
 def _pipe_split(stage: int):

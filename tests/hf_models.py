@@ -1,0 +1,68 @@
+"""Small Hugging Face models (random weights from a config; no network) and model-level runs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fastpipe.build.hf.checkpoint import save_random_checkpoint  # noqa: E402
+
+CONFIGS = {
+    # vocab 99 does not divide by 2 or 4: the LM head stays whole on every rank
+    "gpt2": lambda: transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=99, n_positions=64),
+    # 4 query heads over 2 KV heads; vocab 100 divides by 2 and 4: the LM head is all-gathered
+    "llama": lambda: transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                              num_key_value_heads=2, intermediate_size=128, vocab_size=100),
+    "bert": lambda: transformers.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                            intermediate_size=128, vocab_size=99),
+}
+
+
+def make_checkpoint(family: str, folder: Path, seed: int = 0):
+    return save_random_checkpoint(CONFIGS[family](), folder, seed=seed).eval()
+
+
+def hf_reference(model, family: str, inputs: dict, past: list | None):
+    """The unsplit Hugging Face model's own forward (and updated cache) for original-level inputs."""
+    with torch.no_grad():
+        if family == "bert":
+            out = model(**inputs)
+            res = {"last_hidden_state": out.last_hidden_state}
+            if getattr(out, "pooler_output", None) is not None:
+                res["pooler_output"] = out.pooler_output
+            return res
+        cache = transformers.DynamicCache()
+        for layer, (k, v) in enumerate(past or []):
+            cache.update(k, v, layer)
+        out = model(input_ids=inputs["input_ids"], past_key_values=cache, use_cache=True)
+        res = {"logits": out.logits}
+        if past is not None:
+            for layer, lyr in enumerate(out.past_key_values.layers):
+                res[f"past_key_values_{layer}_0"], res[f"past_key_values_{layer}_1"] = lyr.keys, lyr.values
+        return res
+
+
+def _slice(t, placements):
+    return t[tuple(slice(a, b) for a, b in placements)]
+
+
+def run_model_level(session, originals: dict) -> dict:
+    """Slice original inputs onto the pipeline by metadata.tensor_slices; return pipeline outputs."""
+    p = session.pipeline
+    inputs = {name: _slice(originals[s.origin], s.placements).contiguous() for name, s in p.metadata.slices_inputs.items()}
+    return session.run(inputs)
+
+
+def assert_outputs_match(session, outs: dict, reference: dict, rtol: float = 1e-4) -> int:
+    """Every pipeline output equals its slice of the reference (relative error <= rtol); returns the count checked."""
+    n = 0
+    for name, s in session.pipeline.metadata.slices_outputs.items():
+        want = _slice(reference[s.origin], s.placements)
+        got = outs[name]
+        rel = (got - want).abs().max() / want.abs().max().clamp_min(1e-12)
+        assert rel <= rtol, f"{name} ({s.origin}): relative error {rel:.3g} > {rtol}"
+        n += 1
+    return n

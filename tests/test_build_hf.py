@@ -1,0 +1,105 @@
+"""Acceptance: fastpipe build + run on CPU reproduce the unsplit Hugging Face model (fp32, rel err <= 1e-4),
+logits / hidden states and updated KV caches, for GPT-2, Llama (GQA) and BERT with tp in {1, 2, 4} and pp in {1, 2}."""
+import pytest
+import torch
+
+import fastpipe
+from fastpipe.errors import InvalidInput
+from tests.hf_models import assert_outputs_match, hf_reference, make_checkpoint, run_model_level
+
+from fastpipe.build.hf.build import build_hf  # noqa: E402  (after the transformers importorskip)
+
+B, S, P = 2, 8, 5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {fam: (root / fam, make_checkpoint(fam, root / fam, seed=i)) for i, fam in enumerate(("gpt2", "llama", "bert"))}
+
+
+def originals(family, cfg, past_len, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    if family == "bert":
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[1, -3:] = 0                                 # padding in the second sequence
+        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.randint(0, 2, (B, S), generator=g)}, None
+    ins = {"input_ids": ids}
+    past = None
+    if past_len is not None:
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        hd = cfg.hidden_size // heads
+        past = [(torch.randn(B, kv, past_len, hd, generator=g), torch.randn(B, kv, past_len, hd, generator=g))
+                for _ in range(cfg.num_hidden_layers if hasattr(cfg, "num_hidden_layers") else cfg.n_layer)]
+        for layer, (k, v) in enumerate(past):
+            ins[f"past_key_values_{layer}_0"], ins[f"past_key_values_{layer}_1"] = k, v
+    return ins, past
+
+
+CASES = [(fam, tp, pp, past) for fam in ("gpt2", "llama", "bert") for tp in (1, 2, 4) for pp in (1, 2)
+         for past in ((None,) if fam == "bert" else (None, 0, P))]
+
+
+@pytest.mark.parametrize("family, tp, pp, past_len", CASES, ids=[f"{f}-tp{t}-pp{p}-past{q}" for f, t, p, q in CASES])
+def test_build_run_equals_unsplit(checkpoints, tmp_path, family, tp, pp, past_len):
+    folder, model = checkpoints[family]
+    built = build_hf(folder, tp=tp, pp=pp, batch=B, seq_len=S, past_len=past_len)
+    sess = fastpipe.load(built.save(tmp_path / "out"))
+    assert len(sess.pipeline.devices) == tp * pp
+    ins, past = originals(family, model.config, past_len, seed=tp * 10 + pp)
+    outs = run_model_level(sess, ins)
+    ref = hf_reference(model, family, ins, past if past_len is not None else None)
+    checked = assert_outputs_match(sess, outs, ref)
+    expected = {"gpt2": 1, "llama": 1, "bert": 2}[family] * (tp if family != "bert" else tp)
+    assert checked >= len(sess.pipeline.metadata.slices_outputs) > 0
+    if past_len is not None:   # every layer's keys and values come back, sharded by KV heads over the ranks
+        names = {s.origin for s in sess.pipeline.metadata.slices_outputs.values()}
+        assert {f"past_key_values_{l}_{j}" for l in range(2) for j in (0, 1)} <= names
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel(checkpoints, tmp_path, family, tp):
+    folder, model = checkpoints[family]
+    built = build_hf(folder, tp=tp, pp=1, batch=B, seq_len=S, sequence_parallel=True)
+    kinds = {st["kind"] for st in built.doc["supertasks"].values()}
+    assert {"reduce_scatter", "all_gather"} <= kinds and "all_reduce" in kinds   # the embedding is still all-reduced
+    sess = fastpipe.load(built.save(tmp_path / "out"))
+    ins, _ = originals(family, model.config, None, seed=3)
+    assert_outputs_match(sess, run_model_level(sess, ins), hf_reference(model, family, ins, None))
+
+
+def test_lm_head_gathered_when_vocab_divides(checkpoints):
+    built = build_hf(checkpoints["llama"][0], tp=2, batch=B, seq_len=S)   # vocab 100
+    assert any(st["kind"] == "all_gather" for st in built.doc["supertasks"].values())
+    built = build_hf(checkpoints["gpt2"][0], tp=2, batch=B, seq_len=S)    # vocab 99: whole head everywhere
+    assert not any(st["kind"] == "all_gather" for st in built.doc["supertasks"].values())
+
+
+def test_constants_are_slices_of_the_original_checkpoint(checkpoints, tmp_path):
+    folder, _ = checkpoints["llama"]
+    built = build_hf(folder, tp=2, pp=2, batch=B, seq_len=S)
+    out = built.save(tmp_path / "out")
+    consts = [t["value"] for t in built.doc["tensors"].values() if "value" in t]
+    assert consts and {c["path"] for c in consts} == {"model.safetensors"}
+    import os
+    assert os.path.samefile(out.parent / "model.safetensors", folder / "model.safetensors")   # in place, not copied
+    q = [c for c in consts if c["name"] == "model.layers.0.self_attn.q_proj.weight"]
+    assert sorted(tuple(c["placements"][0]) for c in q) == [(0, 32), (32, 64)]
+
+
+def test_identical_graphs_stored_once(checkpoints):
+    built = build_hf(checkpoints["bert"][0], tp=4, batch=B, seq_len=S)
+    refs = [st.get("data_blob") for st in built.doc["supertasks"].values() if st["kind"] == "fx"]
+    assert built.doc.get("blobs") and sum(r is not None for r in refs) >= 4
+
+
+def test_refusals(checkpoints):
+    with pytest.raises(InvalidInput, match="tp: expected a divisor of num_attention_heads=4, found 3"):
+        build_hf(checkpoints["gpt2"][0], tp=3, batch=B, seq_len=S)
+    with pytest.raises(InvalidInput, match=r"pp: expected at most the number of layers \(2\), found 3"):
+        build_hf(checkpoints["gpt2"][0], pp=3, batch=B, seq_len=S)
+    with pytest.raises(InvalidInput, match="sequence_parallel: expected seq_len divisible by tp=4, found 6"):
+        build_hf(checkpoints["gpt2"][0], tp=4, batch=B, seq_len=6, sequence_parallel=True)
