@@ -16,4 +16,23 @@ def load(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-__all__ = ["FastpipeError", "load", "register_compute_handler", "unregister_compute_handler", "__version__"]
+def build(model, example_inputs=None, **kwargs):
+    """Split a model into a tensor-/pipeline-parallel pipeline; returns a Built (``.pipeline``, ``.save(dir)``).
+
+    ``model`` is an ``nn.Module`` (with ``example_inputs`` and a ``plan``; see fastpipe.build.api.build)
+    or the path of a local Hugging Face checkpoint folder (see fastpipe.build.hf.build.build_hf).
+    """
+    import os
+
+    if isinstance(model, (str, os.PathLike)):
+        from fastpipe.build.hf.build import build_hf
+
+        if example_inputs is not None:
+            raise TypeError("build(path, ...): example_inputs are for nn.Module models; give batch= and seq_len=")
+        return build_hf(model, **kwargs)
+    from fastpipe.build.api import build as _build
+
+    return _build(model, example_inputs, **kwargs)
+
+
+__all__ = ["FastpipeError", "build", "load", "register_compute_handler", "unregister_compute_handler", "__version__"]

@@ -52,6 +52,18 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
     r.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     r.add_argument("--repeat", type=int, default=5, help="timed runs (default 5)")
+    b = sub.add_parser("build", help="split a local Hugging Face checkpoint folder into a tp x pp pipeline")
+    b.add_argument("model", help="folder with config.json and *.safetensors (no network is used)")
+    b.add_argument("-o", "--output", required=True, help="output folder: pipeline.json, with the checkpoint files hard-linked in place")
+    b.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    b.add_argument("--pp", type=int, default=1, help="pipeline stages, layers split evenly (default 1)")
+    b.add_argument("--split-points", metavar="MODULES", help="comma-separated module names each stage after the first starts at")
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--seq-len", type=int, default=128)
+    b.add_argument("--past-len", type=int, default=None,
+                   help="decoders: omit for no KV cache; 0 for a prefill that outputs the cache; P for a decode step over P cached tokens")
+    b.add_argument("--sequence-parallel", action="store_true", help="reduce_scatter/all_gather on the sequence dim instead of all_reduce")
+    b.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return ap
 
 
@@ -165,7 +177,36 @@ def _cmd_run(args) -> int:
     return 0
 
 
-COMMANDS = {"validate": _cmd_validate, "show": _cmd_show, "run": _cmd_run}
+def _cmd_build(args) -> int:
+    import time
+    from pathlib import Path
+
+    from fastpipe.build.hf.build import build_hf
+
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise InputError(f"model: expected a Hugging Face checkpoint folder with config.json, found \"{model_dir}\"")
+    if args.tp < 1 or args.pp < 1 or args.batch < 1 or args.seq_len < 1:
+        raise InputError(f"--tp/--pp/--batch/--seq-len: expected values >= 1, found {args.tp}/{args.pp}/{args.batch}/{args.seq_len}")
+    if args.past_len is not None and args.past_len < 0:
+        raise InputError(f"--past-len: expected >= 0, found {args.past_len}")
+    t0 = time.perf_counter()
+    try:
+        built = build_hf(model_dir, tp=args.tp, pp=args.pp, batch=args.batch, seq_len=args.seq_len,
+                         past_len=args.past_len, sequence_parallel=args.sequence_parallel,
+                         split_points=args.split_points.split(",") if args.split_points else None)
+    except ValueError as e:
+        raise InputError(f"build: {' '.join(str(e).split())}") from None
+    try:
+        path = built.save(args.output)
+    except OSError as e:
+        raise InputError(f"-o/--output: {' '.join(str(e).split())}") from None
+    n = len(built.doc["supertasks"]) - 2
+    print(f"wrote {path}: {len(built.doc['devices'])} slots, {n} supertasks, built in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+COMMANDS = {"validate": _cmd_validate, "show": _cmd_show, "run": _cmd_run, "build": _cmd_build}
 
 
 def main(argv: list[str] | None = None) -> int:

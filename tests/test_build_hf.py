@@ -103,3 +103,31 @@ def test_refusals(checkpoints):
         build_hf(checkpoints["gpt2"][0], pp=3, batch=B, seq_len=S)
     with pytest.raises(InvalidInput, match="sequence_parallel: expected seq_len divisible by tp=4, found 6"):
         build_hf(checkpoints["gpt2"][0], tp=4, batch=B, seq_len=6, sequence_parallel=True)
+
+
+def test_cli_build_then_run_check(checkpoints, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from fastpipe.cli import main
+
+    folder, model = checkpoints["llama"]
+    out = tmp_path / "out"
+    assert main(["build", str(folder), "--tp", "2", "--pp", "2", "--batch", str(B), "--seq-len", str(S), "-o", str(out)]) == 0
+    assert "4 slots" in capsys.readouterr().out
+    ins, _ = originals("llama", model.config, None, seed=9)
+    ref = hf_reference(model, "llama", ins, None)["logits"]
+    save_file(ins, str(tmp_path / "in.safetensors"))
+    save_file({"logits": ref, "logits_rank1": ref}, str(tmp_path / "expected.safetensors"))
+    assert main(["run", str(out / "pipeline.json"), "--inputs", str(tmp_path / "in.safetensors"),
+                 "--check", str(tmp_path / "expected.safetensors")]) == 0
+    assert "check: 2 outputs match" in capsys.readouterr().out
+
+
+def test_cli_build_errors(checkpoints, tmp_path, capsys):
+    from fastpipe.cli import main
+
+    assert main(["build", str(tmp_path), "-o", str(tmp_path / "o")]) == 2
+    assert "model: expected a Hugging Face checkpoint folder with config.json" in capsys.readouterr().err
+    assert main(["build", str(checkpoints["gpt2"][0]), "--tp", "3", "-o", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tp: expected a divisor of num_attention_heads=4, found 3" in err

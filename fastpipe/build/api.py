@@ -97,13 +97,16 @@ def _default_forward(local, params, *inputs):
 def build(module: nn.Module, example_inputs: Sequence[torch.Tensor], *, tp: int = 1, pp: int = 1,
           split_points: Sequence[str] | None = None, plan: Mapping[str, object] | None = None,
           sequence_parallel: bool = False, input_names: Sequence[str] | None = None,
-          output_names: Sequence[str] | None = None, name: str | None = None) -> Built:
+          output_names: Sequence[str] | None = None, name: str | None = None,
+          transmit: Sequence[str] = ()) -> Built:
     """Split a plain PyTorch module into a tp x pp pipeline.
 
     `plan` maps submodule names to "column" / "column_gather" / "row" / "vocab" (see
     fastpipe.build.rewrite); `split_points` names the pp-1 submodules each new stage starts
     at. The module's own weights are written beside the pipeline (weights.safetensors) and
-    every constant is a slice of them.
+    every constant is a slice of them. Parameters several stages use are replicated on each
+    (each stage reads its slice), unless named in `transmit`: then the first stage holds them
+    and sends them on.
     """
     if tp < 1 or pp < 1:
         raise ValueError(f"tp and pp must be >= 1, found tp={tp}, pp={pp}")
@@ -128,7 +131,7 @@ def build(module: nn.Module, example_inputs: Sequence[torch.Tensor], *, tp: int 
             gm, [sources[n] for n in pnames],
             [IOSpec(nm, None, i, tuple(x.shape), dtypes.to_name(x.dtype)) for i, (nm, x) in enumerate(zip(in_names, example_inputs))],
             [IOSpec(nm, None, i, tuple(o.shape), dtypes.to_name(o.dtype)) for i, (nm, o) in enumerate(zip(out_names, outs))])
-        emitter.add_rank(rank, rg)
+        emitter.add_rank(rank, rg, frozenset(transmit))
     doc = emitter.finish()
     validate_structure(parse_pipeline(doc))
     return Built(doc, weights={k: v for k, v in state.items() if k in {n for n, _ in module.named_parameters()}})

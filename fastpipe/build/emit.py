@@ -113,6 +113,8 @@ class Emitter:
 
     # ------------------------------------------------------------------ one rank
     def add_rank(self, rank: int, rg: RankGraph, transmit: frozenset = frozenset()) -> None:
+        """Add one tensor-parallel rank's graph. Parameters named in `transmit` that several stages use
+        are loaded on the first of them and sent on (SPEC §4 TRANSMIT); others are REPLICATEd."""
         gm = rg.gm
         seg = split_graph(gm, len(rg.params))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -138,11 +140,23 @@ class Emitter:
         for n, key in seg_of.items():
             producer_slot[n] = self.slot(key[0], rank)
 
+        first_stage: dict[fx.Node, int] = {}
+        for (st, _), ns in seg.groups.items():
+            for m in ns:
+                for i in m.all_input_nodes:
+                    first_stage[resolve(i)] = min(first_stage.get(resolve(i), st), st)
+
         def value_on(n: fx.Node, slot: str, stage: int) -> str:
             """The tensor name holding node n's value on `slot` (sending it across stages if needed)."""
             n = resolve(n)
             if n in param_of:
-                return self.constant(param_of[n], _meta(n))
+                const = self.constant(param_of[n], _meta(n))
+                home = first_stage.get(n, stage)
+                if param_of[n].param not in transmit or home == stage:
+                    return const
+                if (n, slot) not in names:
+                    names[(n, slot)] = self._send(const, self.slot(home, rank), slot, _meta(n), f"pp_{const}")
+                return names[(n, slot)]
             if n in input_of:
                 return self.pipeline_input(input_of[n], rank, slot, _meta(n))
             if (n, slot) in names:
@@ -155,15 +169,8 @@ class Emitter:
                 tensors_declared.add(n)
             if src == slot:
                 return own
-            recv = f"{n.name}@{slot}"
-            self.doc["tensors"][recv] = _tensor_entry(_meta(n))
-            group = f"pp_{n.name}_{src}_to_{slot}"
-            self.doc["supertasks"][self._sid()] = {"kind": "send", "inputs": [own], "outputs": [], "device": src,
-                                                   "group": group, "device_idx": 0, "metadata": {}}
-            self.doc["supertasks"][self._sid()] = {"kind": "recv", "inputs": [], "outputs": [recv], "device": slot,
-                                                   "group": group, "device_idx": 1, "metadata": {}}
-            names[(n, slot)] = recv
-            return recv
+            names[(n, slot)] = self._send(own, src, slot, _meta(n), f"pp_{n.name}")
+            return names[(n, slot)]
 
         tensors_declared: set = set()
         pending_outputs: dict[str, list] = {}   # supertask id -> list of (node) outputs to fill in once names exist
@@ -236,6 +243,17 @@ class Emitter:
             pl = spec.placements or tuple((0, s) for s in spec.shape)
             self.doc["metadata"]["tensor_slices"]["outputs"][name] = {
                 "placements": [list(p) for p in pl], "origin": spec.name, "dtype": spec.dtype, "device": slot}
+
+    def _send(self, tensor: str, src: str, dst: str, val, group: str) -> str:
+        """A send on `src` paired with a recv on `dst`; returns the received tensor's name."""
+        recv = f"{tensor}@{dst}" if "@" not in tensor else f"{tensor.rsplit('@', 1)[0]}@{dst}"
+        self.doc["tensors"][recv] = _tensor_entry(val)
+        group = f"{group}_{src}_to_{dst}"
+        self.doc["supertasks"][self._sid()] = {"kind": "send", "inputs": [tensor], "outputs": [], "device": src,
+                                               "group": group, "device_idx": 0, "metadata": {}}
+        self.doc["supertasks"][self._sid()] = {"kind": "recv", "inputs": [], "outputs": [recv], "device": dst,
+                                               "group": group, "device_idx": 1, "metadata": {}}
+        return recv
 
     @staticmethod
     def _free_closure(ns, free) -> set:

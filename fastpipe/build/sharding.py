@@ -65,14 +65,11 @@ def apply_sharding(gm: fx.GraphModule, rank: int, tp: int) -> int:
         gm.graph.erase_node(t)
     for layout_node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is LAYOUT]:
         produced = parse_spec(layout_node.args[1])
-        value = layout_node.args[0]
-        # follow a single-use chain of layout-keeping ops (partials only; shards stop at require)
+        # follow a single-use chain of layout-keeping ops (partial sums through linear ops)
         cur = layout_node
         while len(cur.users) == 1:
             (u,) = cur.users
-            if u.target is REQUIRE:
-                break
-            if type(produced).__name__ == "Partial" and _keeps_partial(u, cur):
+            if u.target is not REQUIRE and type(produced).__name__ == "Partial" and _keeps_partial(u, cur):
                 cur = u
                 continue
             break
@@ -80,29 +77,31 @@ def apply_sharding(gm: fx.GraphModule, rank: int, tp: int) -> int:
         req = users[0] if len(users) == 1 and users[0].target is REQUIRE else None
         wanted = parse_spec(req.args[1]) if req is not None else Replicate()
         comm = comm_between(produced, wanted)
-        target = req if req is not None else cur
-        # the raw value flows through the chain; the comm sits right before the consumer
+        value = layout_node.args[0]
         layout_node.replace_all_uses_with(value)
         gm.graph.erase_node(layout_node)
+        if cur is layout_node:
+            cur = value
+        # `cur` now holds the produced value at the end of the chain: communicate right after it
         if comm is None:
-            replacement = target.args[0] if req is not None else None
+            replacement = cur
         elif comm.kind == "slice":
-            with gm.graph.inserting_after(target.args[0] if req is not None else target):
-                d, size = comm.params["dim"], target.meta["val"].shape[comm.params["dim"]] // tp
-                replacement = gm.graph.call_function(aten.slice.Tensor, (target.args[0] if req is not None else target, d, rank * size, (rank + 1) * size))
-                replacement.meta["val"] = target.meta["val"].narrow(d, rank * size, size)
+            d = comm.params["dim"]
+            size = cur.meta["val"].shape[d] // tp
+            with gm.graph.inserting_after(cur):
+                replacement = gm.graph.call_function(aten.slice.Tensor, (cur, d, rank * size, (rank + 1) * size))
+            replacement.meta["val"] = cur.meta["val"].narrow(d, rank * size, size)
         else:
-            src = target.args[0] if req is not None else target
-            with gm.graph.inserting_after(src):
-                replacement = gm.graph.call_function(comm_point, (src, comm))
-            replacement.meta["val"] = _comm_meta(src.meta["val"], comm, tp)
+            with gm.graph.inserting_after(cur):
+                replacement = gm.graph.call_function(comm_point, (cur, comm))
+            replacement.meta["val"] = _comm_meta(cur.meta["val"], comm, tp)
             count += 1
         if req is not None:
             req.replace_all_uses_with(replacement)
             gm.graph.erase_node(req)
-        elif replacement is not None:
-            for u in [u for u in target.users if u is not replacement]:
-                u.replace_input_with(target, replacement)
+        elif replacement is not cur:
+            for u in [u for u in cur.users if u is not replacement]:
+                u.replace_input_with(cur, replacement)
     for n in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is REQUIRE]:
         wanted = parse_spec(n.args[1])   # a require with no layout upstream: the value is replicated
         if type(wanted).__name__ != "Replicate":
