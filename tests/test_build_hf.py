@@ -117,7 +117,7 @@ def test_cli_build_then_run_check(checkpoints, tmp_path, capsys):
     ins, _ = originals("llama", model.config, None, seed=9)
     ref = hf_reference(model, "llama", ins, None)["logits"]
     save_file(ins, str(tmp_path / "in.safetensors"))
-    save_file({"logits": ref, "logits_rank1": ref}, str(tmp_path / "expected.safetensors"))
+    save_file({"logits": ref, "logits_rank1": ref.clone()}, str(tmp_path / "expected.safetensors"))
     assert main(["run", str(out / "pipeline.json"), "--inputs", str(tmp_path / "in.safetensors"),
                  "--check", str(tmp_path / "expected.safetensors")]) == 0
     assert "check: 2 outputs match" in capsys.readouterr().out
