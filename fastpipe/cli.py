@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="summary: slots, supertasks by kind, constant bytes per slot")
     common(s)
     s.add_argument("--dot", metavar="FILE", help="also write a Graphviz drawing (one cluster per slot)")
+    s.add_argument("--plan", action="store_true",
+                   help="also print the lowered Program: a step x slot table, peak bytes per slot, and the checker's verdict")
     r = sub.add_parser("run", help="run a pipeline and print a latency summary")
     common(r)
     r.add_argument("--inputs", metavar="FILE", help="safetensors file keyed by pipeline input names (default: seeded random)")
@@ -52,6 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
     r.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     r.add_argument("--repeat", type=int, default=5, help="timed runs (default 5)")
+    r.add_argument("--processor", choices=("auto", "reference", "cpu", "cuda"), default="auto",
+                   help="auto (default): cuda when every slot is on a GPU, else cpu (a thread per slot)")
+    r.add_argument("--no-compile", action="store_true", help="run fx supertasks eagerly instead of torch.compile")
+    r.add_argument("--compile-errors", choices=("warn", "raise"), default="warn",
+                   help="a graph that cannot be compiled: warn and run it eagerly (default), or fail")
+    r.add_argument("--no-cuda-graph", action="store_true", help="cuda processor: issue on streams, no graph capture")
+    r.add_argument("--chunks", type=int, default=1, help="micro-batches along dim 0 (inputs carry chunks x the batch)")
+    r.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the last timed run (a lane per slot)")
     b = sub.add_parser("build", help="split a local Hugging Face checkpoint folder into a tp x pp pipeline")
     b.add_argument("model", help="folder with config.json and *.safetensors (no network is used)")
     b.add_argument("-o", "--output", required=True, help="output folder: pipeline.json, with the checkpoint files hard-linked in place")
@@ -90,8 +100,20 @@ def _cmd_show(args) -> int:
     from fastpipe.validate import validate_structure
 
     p = read_pipeline(args.pipeline)
-    validate_structure(p)
+    checked = validate_structure(p)
     sys.stdout.write(summary_text(p))
+    if args.plan:
+        from fastpipe.lower import ProgramError, check_program, format_table, lower
+
+        program = lower(checked)
+        try:
+            check_program(program, checked)
+        except ProgramError as e:
+            sys.stdout.write(format_table(program, mark=e.marks, pipeline=p))
+            raise
+        table = format_table(program, pipeline=p)
+        sys.stdout.write(table if table.endswith("\n") else table + "\n")
+        print("plan: checked: every wait is satisfied and every comm group is issued in one order by all its members")
     if args.dot:
         _check_writable(args.dot, "--dot")
         write_text(args.dot, dot_text(p))
@@ -124,6 +146,15 @@ def _check_writable(path: str, option: str) -> None:
         raise InputError(f"{option}: expected a writable folder, found \"{parent}\" read-only")
 
 
+def _processor(args, p, device_map) -> str:
+    if args.processor != "auto":
+        return args.processor
+    from fastpipe.runtime.device_map import resolve_device_map
+
+    devs = resolve_device_map(p, device_map).values()
+    return "cuda" if all(d.type == "cuda" for d in devs) else "cpu"
+
+
 def _cmd_run(args) -> int:
     import torch
 
@@ -143,21 +174,34 @@ def _cmd_run(args) -> int:
     p = read_pipeline(args.pipeline)
     inputs = _read_tensors(args.inputs, "--inputs") if args.inputs else random_inputs(p, args.seed)
     expected = _read_tensors(args.check, "--check") if args.check else None
+    if args.chunks < 1:
+        raise InputError(f"--chunks: expected >= 1, found {args.chunks}")
+    if args.trace:
+        _check_writable(args.trace, "--trace")
+    if args.chunks > 1 and not args.inputs:
+        inputs = {k: torch.cat([v] * args.chunks, dim=0) for k, v in inputs.items()}
     t0 = time.perf_counter()
-    sess = Session(p, device_map=device_map, options=_options(args))
+    sess = Session(p, device_map=device_map, options=_options(args), processor=_processor(args, p, device_map),
+                   compile=not args.no_compile, compile_policy=args.compile_errors, cuda_graph=not args.no_cuda_graph)
     load_s = time.perf_counter() - t0
+    compile_msg = ""
+    if not args.no_compile:
+        rep = sess.compile()
+        compile_msg = f"; compiled {rep.graphs} graphs in {rep.seconds:.1f} s" + (f" ({len(rep.eager)} eager)" if rep.eager else "")
     for _ in range(args.warmup):
-        sess.run(inputs)
+        sess.run(inputs, chunks=args.chunks)
     times, outs = [], None
-    for _ in range(args.repeat):
+    for i in range(args.repeat):
         t = time.perf_counter()
-        outs = sess.run(inputs)
+        outs = sess.run(inputs, chunks=args.chunks, trace=args.trace if args.trace and i == args.repeat - 1 else None)
         if any(d.type == "cuda" for d in sess.slot_devices.values()):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     ms = sorted(x * 1e3 for x in times)
-    print(f"{p.name}: loaded in {load_s * 1e3:.1f} ms; {args.repeat} runs: median {statistics.median(ms):.3f} ms, "
-          f"min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")
+    print(f"{p.name}: {sess.processor} processor; loaded in {load_s * 1e3:.1f} ms{compile_msg}; {args.repeat} runs: "
+          f"median {statistics.median(ms):.3f} ms, min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")
+    if args.trace:
+        print(f"wrote trace {args.trace}")
     if args.outputs:
         from safetensors.torch import save_file
 

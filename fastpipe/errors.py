@@ -49,6 +49,10 @@ class RunError(FastpipeError):
     exit_code = 1
 
 
+class CompileError(RunError):
+    """torch.compile or CUDA-graph capture failed and the caller asked for failure, not a warned fallback."""
+
+
 class CheckMismatch(FastpipeError):
     """``--check`` found outputs that differ from the expected ones (exit 1)."""
 

@@ -25,19 +25,53 @@ from fastpipe.validate.sources import payload_text
 from fastpipe.weights import WeightStore, default_store
 
 
+PROCESSORS = ("reference", "cpu", "cuda")
+
+
 class Session:
-    """A loaded pipeline, ready to run. Not thread-safe: use one per thread, or serialise calls."""
+    """A loaded pipeline, ready to run. Not thread-safe: use one per thread, or serialise calls.
+
+    processor: "reference" (one step at a time, the oracle), "cpu" (a thread per slot,
+    fastpipe.runtime.cpu_processor) or "cuda" (a stream per slot, CUDA-graph replay).
+    compile: run every fx supertask through torch.compile (inductor); compile failures
+    follow `compile_policy` ("warn": that supertask runs eagerly, with a warning; "raise").
+    """
 
     def __init__(self, pipeline: Pipeline, *, device_map: Mapping[str, str] | None = None,
-                 options: LoadOptions | None = None, store: WeightStore | None = None):
+                 options: LoadOptions | None = None, store: WeightStore | None = None,
+                 processor: str = "reference", compile: bool = False, compile_policy: str = "warn",
+                 cuda_graph: bool = True):
+        from fastpipe.errors import InputError
+
+        if processor not in PROCESSORS:
+            raise InputError(f"processor: expected one of {', '.join(PROCESSORS)}, found \"{processor}\"")
+        if compile_policy not in ("warn", "raise"):
+            raise InputError(f"compile_policy: expected warn or raise, found \"{compile_policy}\"")
         self.options = options or LoadOptions()
         self.store = store or default_store()
         self.checked: Checked = validate(pipeline, self.options, self.store)
         self.pipeline = pipeline
         self.slot_devices = resolve_device_map(pipeline, device_map)
-        self._binder = Binder(pipeline, self.options, self.store, self.slot_devices)
+        self.processor = processor
+        self._binder = Binder(pipeline, self.options, self.store, self.slot_devices, compile=compile,
+                              compile_policy=compile_policy)
         self.steps = self._build_steps()
+        self.compile_report = None
         self._runner = ReferenceRunner(self.steps, pipeline.output_names)
+        self.program = None
+        if processor != "reference":
+            from fastpipe.lower import check_program, lower
+
+            self.program = lower(self.checked)
+            check_program(self.program, self.checked)
+        if processor == "cpu":
+            from fastpipe.runtime.cpu_processor import ThreadedRunner
+
+            self._runner = ThreadedRunner(self.program, self._compute_steps(), self._comm_steps(), pipeline.output_names)
+        elif processor == "cuda":
+            from fastpipe.runtime.cuda_processor import CudaRunner
+
+            self._runner = CudaRunner(self, cuda_graph=cuda_graph)
         self._input_devices = {
             n: {self.slot_devices[pipeline.supertasks[c].device] for c in self.checked.flow.consumers.get(n, [])}
             for n in pipeline.input_names
@@ -74,6 +108,29 @@ class Session:
             steps.append(compute_step(sid, st.device, fn, st.inputs, b.constants_for(st.inputs, dev), dev, st.outputs))
         return steps
 
+    def _compute_steps(self) -> dict:
+        return {s.supertasks[0]: s for s in self.steps if not s.label.startswith("fp:group:")}
+
+    def _comm_steps(self) -> dict:
+        return {s.label[len("fp:group:"):]: s for s in self.steps if s.label.startswith("fp:group:")}
+
+    def compile(self):
+        """Compile every fx supertask now: one warm-up run on seeded inputs, timed apart from runs.
+
+        Returns a CompileReport (distinct graphs, seconds, supertasks left eager by a failed compile).
+        """
+        import time
+
+        from fastpipe.runtime.compile import CompileReport, warmup_inputs
+
+        t = time.perf_counter()
+        self.compile_report = CompileReport(0, 0.0, ())      # mark as started: run() must not recurse
+        self.run(warmup_inputs(self.pipeline))
+        graphs = {id(cg) for cg in self._binder.compiled.values()}
+        eager = tuple(sid for sid, cg in self._binder.compiled.items() if cg.eager)
+        self.compile_report = CompileReport(len(graphs), time.perf_counter() - t, eager)
+        return self.compile_report
+
     @property
     def input_names(self) -> tuple[str, ...]:
         return self.pipeline.input_names
@@ -82,16 +139,61 @@ class Session:
     def output_names(self) -> tuple[str, ...]:
         return self.pipeline.output_names
 
-    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run once. `inputs` keyed by pipeline input names; returns outputs keyed by pipeline output names."""
-        check_inputs(self.pipeline, inputs, self._input_devices)
-        return self._runner.run(inputs)
+    def run(self, inputs: Mapping[str, torch.Tensor], *, chunks: int = 1,
+            trace: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
+        """Run once. `inputs` keyed by pipeline input names; returns outputs keyed by pipeline output names.
+
+        chunks=k: inputs carry k times the pipeline's batch along dim 0; they run as k
+        micro-batches (fill-drain across stages with the cpu/cuda processors) and the outputs
+        are concatenated back along dim 0.
+        trace: write a Chrome/Perfetto trace (one lane per slot, fp:<slot>:<supertask> labels).
+        """
+        from fastpipe.errors import InputError
+
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise InputError(f"chunks: expected an integer >= 1, found {chunks!r}")
+        if self.compile_report is None and self._binder.compiled:
+            self.compile()
+        events: list | None = [] if trace is not None else None
+        if chunks == 1:
+            check_inputs(self.pipeline, inputs, self._input_devices)
+            parts = [inputs]
+        else:
+            from fastpipe.runtime.cpu_processor import split_chunks
+
+            check_inputs(self.pipeline, {k: v[: self.pipeline.tensors[k].shape[0]] if isinstance(v, torch.Tensor) and v.dim() else v
+                                         for k, v in inputs.items()}, self._input_devices)
+            parts = split_chunks(inputs, chunks, {n: self.pipeline.tensors[n].shape[0] for n in self.input_names})
+        results = self._run_parts(parts, chunks, events)
+        if trace is not None:
+            from fastpipe.runtime.cpu_processor import write_chrome_trace
+
+            write_chrome_trace(trace, events, tuple(self.pipeline.devices))
+        if chunks == 1:
+            return results[0]
+        return {n: torch.cat([r[n] for r in results], dim=0) for n in self.output_names}
+
+    def _run_parts(self, parts, chunks, events):
+        if self.processor == "reference":
+            import time
+
+            out, t0 = [], time.perf_counter()
+            for c, part in enumerate(parts):
+                out.append(self._runner.run(part, events=events, chunk=c, t0=t0))
+            return out
+        return self._runner.run(parts if chunks > 1 else parts[0], chunks=chunks, trace=events)
 
 
 def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] | None = None, *,
          allow_outside_paths: bool = False, trust_export_archives: bool = False,
-         store: WeightStore | None = None) -> Session:
-    """Load, validate and bind a pipeline (a path to pipeline.json, or a Pipeline)."""
+         store: WeightStore | None = None, processor: str = "reference", compile: bool = False,
+         compile_policy: str = "warn", cuda_graph: bool = True) -> Session:
+    """Load, validate and bind a pipeline (a path to pipeline.json, or a Pipeline).
+
+    Defaults run the reference processor with eager graphs (predictable, fast to load);
+    `processor="cpu"` / `"cuda"` and `compile=True` select the fast paths (see Session).
+    """
     p = pipeline if isinstance(pipeline, Pipeline) else read_pipeline(Path(pipeline))
     opts = LoadOptions(allow_outside_paths=allow_outside_paths, trust_export_archives=trust_export_archives)
-    return Session(p, device_map=device_map, options=opts, store=store)
+    return Session(p, device_map=device_map, options=opts, store=store, processor=processor, compile=compile,
+                   compile_policy=compile_policy, cuda_graph=cuda_graph)

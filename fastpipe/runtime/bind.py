@@ -18,8 +18,11 @@ from fastpipe.weights import ParamRef, WeightStore, resolve_param_path
 
 
 class Binder:
-    def __init__(self, p: Pipeline, opts: LoadOptions, store: WeightStore, slot_devices: dict[str, torch.device]):
+    def __init__(self, p: Pipeline, opts: LoadOptions, store: WeightStore, slot_devices: dict[str, torch.device],
+                 *, compile: bool = False, compile_policy: str = "warn"):
         self.p, self.opts, self.store, self.slot_devices = p, opts, store, slot_devices
+        self.compile, self.compile_policy = compile, compile_policy
+        self.compiled: dict[str, object] = {}     # supertask id -> CompiledGraph (when compiling)
         self._const: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._gms: dict[tuple[int, torch.device], torch.nn.Module] = {}
 
@@ -49,6 +52,13 @@ class Binder:
             gm.eval()
             self._gms[key] = gm
         gm = self._gms[key]
+        if self.compile:
+            from fastpipe.runtime.compile import compiled_graph
+
+            text, where = payload_text(self.p, sid, self.opts)
+            gm = compiled_graph(text, gm, device, f"supertasks[\"{sid}\"] on slot \"{self.p.supertasks[sid].device}\"",
+                                self.compile_policy)
+            self.compiled[sid] = gm
 
         def run(xs, gm=gm):
             out = gm(*xs)

@@ -6,6 +6,7 @@ the supertask and slot.
 """
 from __future__ import annotations
 
+import time
 from typing import Mapping, Sequence
 
 import torch
@@ -28,11 +29,13 @@ class ReferenceRunner:
         self._free_after = [tuple(n for n, j in last_use.items() if j == i and n not in keep) for i in range(len(self.steps))]
 
     @torch.inference_mode()
-    def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run(self, inputs: Mapping[str, torch.Tensor], *, events: list | None = None, chunk: int = 0,
+            t0: float = 0.0) -> dict[str, torch.Tensor]:
         env: dict[str, torch.Tensor] = dict(inputs)
         for step, free in zip(self.steps, self._free_after):
             args = [(env[r] if isinstance(r, str) else r) for r in step.reads]
             args = [a if a.device == d else a.to(d) for a, d in zip(args, step.devices)]
+            start = time.perf_counter() if events is not None else 0.0
             try:
                 outs = step.fn(args)
             except FastpipeError:
@@ -43,6 +46,11 @@ class ReferenceRunner:
             if len(outs) != len(step.writes):
                 raise RunError(f"{where(step)}: expected {len(step.writes)} outputs, found {len(outs)}")
             env.update(zip(step.writes, outs))
+            if events is not None:
+                end = time.perf_counter()
+                for slot in step.slots:
+                    events.append((slot, step.label if len(step.slots) == 1 else f"fp:{slot}:{step.supertasks[step.slots.index(slot)]}",
+                                   start - t0, end - t0, chunk))
             for n in free:
                 env.pop(n, None)
         return {n: env[n] for n in self.outputs}

@@ -1,0 +1,14 @@
+"""Layer 4: lowering a validated pipeline to a Program, and checking and printing Programs.
+
+    program = lower(checked)                  # per-slot ordered steps + cross-slot waits + frees
+    check_program(program, checked)           # raises ProgramError (with .marks) if it could hang
+    simulate(program) -> [(slot, index)]      # the order steps complete in a simulated run
+    print(format_table(program, pipeline=p))  # the step x slot table (action language: table.py)
+"""
+from fastpipe.lower.check import ProgramError, check_program, simulate
+from fastpipe.lower.lower import lower, tensor_bytes
+from fastpipe.lower.program import Program, ProgStep
+from fastpipe.lower.table import Action, format_table, parse_action, parse_table
+
+__all__ = ["Program", "ProgStep", "lower", "check_program", "simulate", "format_table", "ProgramError",
+           "Action", "parse_action", "parse_table", "tensor_bytes"]

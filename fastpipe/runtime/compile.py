@@ -1,0 +1,125 @@
+"""torch.compile for fx supertasks: once per distinct graph and device per process, never silently.
+
+Identical payloads (tensor-parallel replicas, buckets of one model) share one compiled
+graph: the key is the payload's hash and the device. Compilation happens at warm-up
+(`Session.compile()`: one whole run on seeded inputs, so every graph sees the same kinds of
+tensors - constants, pipeline inputs, inference-mode intermediates - as real runs and its
+guards hold), so compile time is reported apart from run time. If a graph cannot
+be compiled (a graph break under fullgraph=True, an inductor error) the policy decides:
+"warn" runs that supertask eagerly and warns with the reason; "raise" raises CompileError.
+A recompile after warm-up (a guard failed: new shapes, dtypes or devices) is warned
+about once per graph.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from fastpipe.errors import CompileError
+
+log = logging.getLogger("fastpipe")
+
+_CACHE: dict[tuple[str, str], "CompiledGraph"] = {}
+_LOCK = threading.Lock()
+
+
+def payload_key(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+class CompiledGraph:
+    """A graph compiled with inductor; falls back to eager only by the policy, with a warning."""
+
+    def __init__(self, gm: torch.nn.Module, where: str, policy: str):
+        # the decoder builds lazy GraphModules (code generated on first use), which dynamo will not
+        # trace: compile a regular GraphModule over the same validated graph and the same buffers
+        gm = torch.fx.GraphModule(gm, gm.graph)
+        self.gm, self.where, self.policy = gm, where, policy
+        self.fn = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+        self.compiled = False
+        self.eager = False
+        self.compile_seconds = 0.0
+        self._recompile_warned = False
+        self._lock = threading.Lock()
+
+    def _first_call(self, xs):
+        """Compiles (timed) on the first real call. A failure follows the policy."""
+        with self._lock:
+            if self.compiled:
+                return self.fn(*xs)
+            if self.eager:
+                return self.gm(*xs)
+            t = time.perf_counter()
+            try:
+                out = self.fn(*xs)
+                self.compiled = True
+            except Exception as e:  # noqa: BLE001 - reported with its reason, per policy
+                reason = " ".join(str(e).split())[:300] or type(e).__name__
+                if self.policy == "raise":
+                    raise CompileError(f"{self.where}: torch.compile failed: {type(e).__name__}: {reason}") from e
+                warnings.warn(f"fastpipe: {self.where}: torch.compile failed ({type(e).__name__}: {reason}); "
+                              "running this supertask eagerly", RuntimeWarning, stacklevel=2)
+                self.eager = True
+                out = self.gm(*xs)
+            self.compile_seconds = time.perf_counter() - t
+            return out
+
+    def __call__(self, *xs):
+        if self.eager:
+            return self.gm(*xs)
+        if not self.compiled:
+            return self._first_call(xs)
+        before = _unique_graphs()
+        out = self.fn(*xs)
+        if _unique_graphs() != before and self.compiled and not self._recompile_warned:
+            self._recompile_warned = True
+            warnings.warn(f"fastpipe: {self.where}: torch.compile recompiled this graph after warm-up "
+                          "(inputs changed shape, dtype or device?)", RuntimeWarning, stacklevel=2)
+        return out
+
+
+def compiled_graph(text: str, gm: torch.nn.Module, device: torch.device, where: str, policy: str) -> CompiledGraph:
+    key = (payload_key(text), str(device))
+    with _LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = CompiledGraph(gm, where, policy)
+        return _CACHE[key]
+
+
+def clear_cache() -> None:
+    """Forget compiled graphs (tests; also frees their memory)."""
+    with _LOCK:
+        _CACHE.clear()
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    graphs: int            # distinct graphs compiled (or attempted) by this session
+    seconds: float         # wall time of this session's warm-up compile
+    eager: tuple[str, ...] # supertasks running eagerly after a failed compile (policy "warn")
+
+
+def warmup_inputs(p) -> dict[str, torch.Tensor]:
+    """Pipeline inputs for the warm-up run: seeded random floats, zeros for integers (valid indices)."""
+    from fastpipe import dtypes
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name in p.input_names:
+        t = p.tensors[name]
+        dt = dtypes.to_torch(t.dtype)
+        out[name] = (torch.randn(t.shape, generator=g).to(dt) if dt.is_floating_point
+                     else torch.zeros(t.shape, dtype=dt))
+    return out

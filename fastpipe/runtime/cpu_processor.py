@@ -1,0 +1,174 @@
+"""The CPU processor: runs a Program with one thread per slot.
+
+Each slot's thread issues its steps in order. A cross-slot wait blocks until the named
+step has completed (for the same micro-batch). A comm step is a rendezvous: the group
+runs (with the plain-torch reference, fastpipe.comm) once every member has arrived, and
+each member continues with its outputs. torch ops release the GIL, so slots overlap.
+
+Micro-batching (SPEC §4): with chunks=k the inputs are split along dim 0 into k
+micro-batches of the pipeline's batch; every slot runs its steps for micro-batch 0, then
+1, ... - so stage 0 starts micro-batch 1 while stage 1 still works on micro-batch 0
+(GPipe fill-drain). Outputs are concatenated back along dim 0.
+
+A failure on any slot stops every thread (no hang) and is raised as RunError naming the
+supertask and slot; the processor keeps no state between calls.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Mapping, Sequence
+
+import torch
+
+from fastpipe.errors import FastpipeError, RunError
+from fastpipe.lower import Program
+from fastpipe.runtime.steps import Step, where
+
+
+class _Abort(Exception):
+    pass
+
+
+class _Run:
+    """The shared state of one call."""
+
+    def __init__(self, program: Program, chunks: int, trace: list | None):
+        self.program, self.chunks, self.trace = program, chunks, trace
+        self.cond = threading.Condition()
+        self.progress = {s: 0 for s in program.slots}          # steps completed, over all chunks
+        self.arrived: dict[tuple[str, int], set] = {}
+        self.group_done: dict[tuple[str, int], bool] = {}
+        self.error: BaseException | None = None
+        self.t0 = time.perf_counter()
+
+    def fail(self, e: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = e
+            self.cond.notify_all()
+
+    def wait_until(self, pred) -> None:
+        with self.cond:
+            while not pred():
+                if self.error is not None:
+                    raise _Abort()
+                self.cond.wait()
+            if self.error is not None:
+                raise _Abort()
+
+
+class ThreadedRunner:
+    def __init__(self, program: Program, compute: Mapping[str, Step], comm: Mapping[str, Step],
+                 outputs: Sequence[str]):
+        self.program, self.compute, self.comm = program, dict(compute), dict(comm)
+        self.outputs = tuple(outputs)
+        self.keep = set(self.outputs)
+
+    def run(self, inputs: Mapping[str, torch.Tensor], *, chunks: int = 1, trace: list | None = None):
+        """`inputs` already hold one micro-batch per chunk: inputs[c][name]."""
+        chunked = inputs if chunks > 1 else [inputs]
+        envs = [dict(c) for c in chunked]
+        run = _Run(self.program, chunks, trace)
+        threads = [threading.Thread(target=self._slot, args=(run, slot, envs), name=f"fastpipe-slot-{slot}", daemon=True)
+                   for slot in self.program.slots]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if run.error is not None:
+            e = run.error
+            if isinstance(e, FastpipeError):
+                raise e
+            raise RunError(" ".join(str(e).split())) from e
+        return [{n: env[n] for n in self.outputs} for env in envs]
+
+    # ------------------------------------------------------------------ one slot's thread
+    def _slot(self, run: _Run, slot: str, envs: list[dict]) -> None:
+        steps = self.program.steps[slot]
+        n = len(steps)
+        try:
+            for c in range(run.chunks):
+                env = envs[c]
+                for i, st in enumerate(steps):
+                    for (ws, wi) in st.waits:
+                        need = c * len(self.program.steps[ws]) + wi + 1
+                        run.wait_until(lambda ws=ws, need=need: run.progress[ws] >= need)
+                    t = time.perf_counter()
+                    if st.kind == "compute":
+                        self._execute(self.compute[st.supertask], env)
+                    else:
+                        self._rendezvous(run, st.group, c, slot, env)
+                    if run.trace is not None:
+                        run.trace.append((slot, st.label, t - run.t0, time.perf_counter() - run.t0, c))
+                    for name in st.frees:
+                        if name not in self.keep:
+                            env.pop(name, None)
+                    with run.cond:
+                        run.progress[slot] = c * n + i + 1
+                        run.cond.notify_all()
+        except _Abort:
+            return
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            run.fail(e)
+
+    def _execute(self, step: Step, env: dict) -> None:
+        args = [(env[r] if isinstance(r, str) else r) for r in step.reads]
+        args = [a if a.device == d else a.to(d) for a, d in zip(args, step.devices)]
+        try:
+            with torch.inference_mode(), torch.profiler.record_function(step.label):
+                outs = step.fn(args)
+        except FastpipeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported with the step that failed
+            msg = " ".join(str(e).split()) or type(e).__name__
+            raise RunError(f"{where(step)}: failed: {type(e).__name__}: {msg}") from e
+        if len(outs) != len(step.writes):
+            raise RunError(f"{where(step)}: expected {len(step.writes)} outputs, found {len(outs)}")
+        env.update(zip(step.writes, outs))
+
+    def _rendezvous(self, run: _Run, group: str, chunk: int, slot: str, env: dict) -> None:
+        key = (group, chunk)
+        members = {s for s, _ in self.program.groups[group]}
+        with run.cond:
+            arrived = run.arrived.setdefault(key, set())
+            arrived.add(slot)
+            last = arrived == members
+        if last:   # everyone's inputs are in env (one env per chunk, shared by the slots)
+            self._execute(self.comm[group], env)
+            with run.cond:
+                run.group_done[key] = True
+                run.cond.notify_all()
+        else:
+            run.wait_until(lambda: run.group_done.get(key, False))
+
+
+def split_chunks(inputs: Mapping[str, torch.Tensor], chunks: int, batch: Mapping[str, int]) -> list[dict]:
+    """Split each input along dim 0 into `chunks` micro-batches of the pipeline's batch size."""
+    from fastpipe.errors import InputError
+
+    out = [dict() for _ in range(chunks)]
+    for name, t in inputs.items():
+        want = batch[name]
+        if t.dim() == 0 or t.shape[0] != want * chunks:
+            found = list(t.shape)
+            raise InputError(f"inputs[\"{name}\"].shape[0]: expected {want * chunks} (chunks={chunks} x the pipeline's "
+                             f"batch {want}), found {found[0] if found else 'a scalar'}")
+        for c, piece in enumerate(t.split(want, dim=0)):
+            out[c][name] = piece
+    return out
+
+
+def write_chrome_trace(path, events: list, slots: Sequence[str]) -> None:
+    """Chrome/Perfetto trace: one lane (tid) per slot, one event per step labelled fp:<slot>:<supertask>."""
+    import json
+
+    from fastpipe.atomic import write_text
+
+    lane = {s: i for i, s in enumerate(slots)}
+    out = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": lane[s], "args": {"name": f"slot {s}"}} for s in slots]
+    out.append({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "fastpipe"}})
+    for slot, label, t0, t1, chunk in sorted(events, key=lambda e: e[2]):
+        out.append({"name": label, "ph": "X", "pid": 1, "tid": lane[slot], "ts": round(t0 * 1e6, 3),
+                    "dur": round((t1 - t0) * 1e6, 3), "args": {"chunk": chunk}})
+    write_text(path, json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}) + "\n")

@@ -1,0 +1,160 @@
+"""The CUDA processor: a stream per slot, events for cross-slot waits, whole-run CUDA-graph replay.
+
+One host thread issues every slot's steps, in an order the checker proved deadlock-free
+(fastpipe.lower.simulate), onto the slot's own stream:
+  * compute step: runs on its slot's stream (several slots may share one GPU and overlap);
+  * comm group: the member streams join on the first member's stream (it waits for each
+    member's event), the plain-torch comm runs there (device copies / reductions; between GPUs
+    of one process, peer copies), and every member stream waits for its completion event;
+  * no host synchronisation inside a run; tensors used on another stream than the one that
+    made them are `record_stream`-ed so the caching allocator does not reuse them early.
+Pipeline inputs are copied into static buffers. With cuda_graph=True the first call runs
+eagerly (warm-up: compiles, allocator settles), the second captures the whole run into one
+CUDA graph (side streams forked from and joined back to the capture stream), later calls
+replay it. A capture failure follows the compile policy: "warn" continues eagerly with a
+warning naming the reason; "raise" raises CompileError. Outputs are cloned out of the
+graph's static buffers unless `alias_outputs=True`.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Mapping
+
+import torch
+
+from fastpipe.errors import CompileError, InputError, RunError
+
+
+class CudaRunner:
+    def __init__(self, session, *, cuda_graph: bool = True, alias_outputs: bool = False):
+        if not torch.cuda.is_available():
+            raise InputError("processor: expected CUDA for processor \"cuda\", found none (use processor \"cpu\")")
+        bad = [s for s, d in session.slot_devices.items() if d.type != "cuda"]
+        if bad:
+            raise InputError(f"device_map[\"{bad[0]}\"]: expected a cuda device for processor \"cuda\", "
+                             f"found {session.slot_devices[bad[0]]}")
+        from fastpipe.lower import simulate
+
+        self.s = session
+        self.program = session.program
+        self.compute, self.comm = session._compute_steps(), session._comm_steps()
+        self.order = simulate(self.program)                  # (slot, index) in a deadlock-free issue order
+        self.streams = {slot: torch.cuda.Stream(device=dev) for slot, dev in session.slot_devices.items()}
+        devices = {d for d in session.slot_devices.values()}
+        self.use_graph = cuda_graph and len(devices) == 1
+        if cuda_graph and len(devices) > 1:
+            warnings.warn("fastpipe: CUDA-graph capture is per device; slots span "
+                          f"{len(devices)} GPUs, so this run is issued eagerly on streams", RuntimeWarning, stacklevel=3)
+        self.alias_outputs = alias_outputs
+        self.policy = session._binder.compile_policy
+        self.calls = 0
+        self.graph = None
+        self.static_in: dict[str, torch.Tensor] = {}
+        self.static_out: dict[str, torch.Tensor] = {}
+        self.device = next(iter(devices))
+
+    # ------------------------------------------------------------------ issue one run onto the streams
+    def _issue(self, env: dict) -> None:
+        done: dict[tuple[str, int], torch.cuda.Event] = {}
+        made_on: dict[str, torch.cuda.Stream] = {}
+        steps = self.program.steps
+        for slot, i in self.order:
+            st = steps[slot][i]
+            stream = self.streams[slot]
+            if st.kind == "comm":
+                members = self.program.groups[st.group]
+                if (members[0][0], members[0][1]) != (slot, i):
+                    continue                     # the group is issued once, at its first member
+                stream = self.streams[members[0][0]]
+                for ms, mi in members:           # join: every member's inputs are ready
+                    if mi > 0:
+                        stream.wait_event(done[(ms, mi - 1)])
+                self._run_step(self.comm[st.group], env, stream, made_on)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                for ms, mi in members:
+                    done[(ms, mi)] = ev
+                    self.streams[ms].wait_event(ev)
+                continue
+            for ws, wi in st.waits:
+                stream.wait_event(done[(ws, wi)])
+            self._run_step(self.compute[st.supertask], env, stream, made_on)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            done[(slot, i)] = ev
+
+    def _run_step(self, step, env, stream, made_on) -> None:
+        args = [(env[r] if isinstance(r, str) else r) for r in step.reads]
+        with torch.cuda.stream(stream):
+            for r, a in zip(step.reads, args):
+                if isinstance(r, str) and made_on.get(r, stream) is not stream:
+                    a.record_stream(stream)
+            args = [a if a.device == d else a.to(d, non_blocking=True) for a, d in zip(args, step.devices)]
+            with torch.profiler.record_function(step.label):
+                outs = step.fn(args)
+        if len(outs) != len(step.writes):
+            raise RunError(f"{step.label}: expected {len(step.writes)} outputs, found {len(outs)}")
+        for n, o in zip(step.writes, outs):
+            env[n] = o
+            made_on[n] = stream
+
+    # ------------------------------------------------------------------ public
+    def run(self, inputs, *, chunks: int = 1, trace: list | None = None):
+        if chunks > 1:   # micro-batches issued back to back: the streams overlap them without host syncs
+            return [self.run(part)[0] for part in inputs]
+        self.calls += 1
+        if self.graph is not None:
+            self._fill_static(inputs)
+            self.graph.replay()
+            return [self._outputs(self.static_out)]
+        if self.use_graph and self.calls == 2:
+            try:
+                return [self._capture(inputs)]
+            except CompileError:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported with its reason, per policy
+                reason = " ".join(str(e).split())[:300]
+                if self.policy == "raise":
+                    raise CompileError(f"CUDA-graph capture failed: {type(e).__name__}: {reason}") from e
+                warnings.warn(f"fastpipe: CUDA-graph capture failed ({type(e).__name__}: {reason}); "
+                              "running on streams without a graph", RuntimeWarning, stacklevel=3)
+                self.use_graph = False
+        return [self._eager(inputs)]
+
+    def _eager(self, inputs: Mapping[str, torch.Tensor]) -> dict:
+        cur = torch.cuda.current_stream(self.device)
+        env = {n: t.to(self._input_device(n), non_blocking=True) for n, t in inputs.items()}
+        for st in self.streams.values():
+            st.wait_stream(cur)
+        self._issue(env)
+        for st in self.streams.values():
+            cur.wait_stream(st)
+        return {n: env[n] for n in self.s.output_names}
+
+    def _input_device(self, name: str) -> torch.device:
+        devs = self.s._input_devices.get(name) or {self.device}
+        return next(iter(devs))
+
+    def _fill_static(self, inputs) -> None:
+        for n, t in inputs.items():
+            self.static_in[n].copy_(t, non_blocking=True)
+
+    def _capture(self, inputs) -> dict:
+        self.static_in = {n: t.to(self._input_device(n)).clone() for n, t in inputs.items()}
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        capture = torch.cuda.Stream(device=self.device)
+        with torch.cuda.graph(g, stream=capture):
+            for st in self.streams.values():      # fork the slot streams from the capture stream
+                st.wait_stream(capture)
+            env = dict(self.static_in)
+            self._issue(env)
+            for st in self.streams.values():      # and join them back
+                capture.wait_stream(st)
+            self.static_out = {n: env[n] for n in self.s.output_names}
+        self.graph = g
+        g.replay()
+        return self._outputs(self.static_out)
+
+    def _outputs(self, out: dict) -> dict:
+        return dict(out) if self.alias_outputs else {n: t.clone() for n, t in out.items()}
