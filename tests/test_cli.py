@@ -126,7 +126,8 @@ def test_failed_run_exit_1_and_no_output_file(capsys, tmp_path):
     write_bad_index_pipeline(tmp_path, n_ids=2)
     save_file({"ids": torch.tensor([0, 9]), "table": torch.zeros(4, 2)}, str(tmp_path / "in.safetensors"))
     out = tmp_path / "out.safetensors"
-    code, _, err = cli(capsys, "run", tmp_path / "p.json", "--inputs", tmp_path / "in.safetensors", "--outputs", out)
+    code, _, err = cli(capsys, "run", tmp_path / "p.json", "--inputs", tmp_path / "in.safetensors", "--outputs", out,
+                       "--no-compile")
     assert code == 1 and err.startswith('fastpipe: error: supertasks["1"] on slot "0": failed: IndexError')
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.safetensors", "p.json"]   # nothing half-written
 
