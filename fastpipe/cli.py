@@ -113,12 +113,29 @@ def _cmd_show(args) -> int:
             raise
         table = format_table(program, pipeline=p)
         sys.stdout.write(table if table.endswith("\n") else table + "\n")
+        for line in _fusion_lines(p, checked, args):
+            print(line)
         print("plan: checked: every wait is satisfied and every comm group is issued in one order by all its members")
     if args.dot:
         _check_writable(args.dot, "--dot")
         write_text(args.dot, dot_text(p))
         print(f"wrote {args.dot}")
     return 0
+
+
+def _fusion_lines(p, checked, args) -> list[str]:
+    """Which comm groups the fusion pass would fuse (policy auto, default device map) and why others not."""
+    from types import SimpleNamespace
+
+    from fastpipe.runtime import fuse
+    from fastpipe.runtime.device_map import resolve_device_map
+    from fastpipe.validate import Checked
+    from fastpipe.validate.payloads import decode_all
+
+    graphs = decode_all(p, _options(args), check=False)
+    view = SimpleNamespace(pipeline=p, checked=Checked(p, checked.flow, checked.groups, checked.order, graphs),
+                           slot_devices=resolve_device_map(p, None))
+    return ["fusion: " + d.line() for d in fuse.analyze(view, "auto")]
 
 
 def _read_tensors(path: str, option: str):

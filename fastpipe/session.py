@@ -35,14 +35,19 @@ class Session:
     fastpipe.runtime.cpu_processor) or "cuda" (a stream per slot, CUDA-graph replay).
     compile: run every fx supertask through torch.compile (inductor); compile failures
     follow `compile_policy` ("warn": that supertask runs eagerly, with a warning; "raise").
+    fuse: "auto" fuses matmul->reduce_scatter and all_gather->matmul into Triton kernels on one
+    CUDA device above the size threshold; "always" fuses every match; "off". Decisions, with
+    reasons, in `session.fusion` (fastpipe.runtime.fuse).
     """
 
     def __init__(self, pipeline: Pipeline, *, device_map: Mapping[str, str] | None = None,
                  options: LoadOptions | None = None, store: WeightStore | None = None,
                  processor: str = "reference", compile: bool = False, compile_policy: str = "warn",
-                 cuda_graph: bool = True):
+                 cuda_graph: bool = True, fuse: str = "auto"):
         from fastpipe.errors import InputError
 
+        if fuse not in ("auto", "off", "always"):
+            raise InputError(f"fuse: expected auto, off or always, found \"{fuse}\"")
         if processor not in PROCESSORS:
             raise InputError(f"processor: expected one of {', '.join(PROCESSORS)}, found \"{processor}\"")
         if compile_policy not in ("warn", "raise"):
@@ -56,6 +61,10 @@ class Session:
         self._binder = Binder(pipeline, self.options, self.store, self.slot_devices, compile=compile,
                               compile_policy=compile_policy)
         self.steps = self._build_steps()
+        from fastpipe.runtime import fuse as fusion
+
+        self.fusion = fusion.analyze(self, fuse)
+        fusion.apply(self, self.fusion)
         self.compile_report = None
         self._runner = ReferenceRunner(self.steps, pipeline.output_names)
         self.program = None
@@ -187,7 +196,7 @@ class Session:
 def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] | None = None, *,
          allow_outside_paths: bool = False, trust_export_archives: bool = False,
          store: WeightStore | None = None, processor: str = "reference", compile: bool = False,
-         compile_policy: str = "warn", cuda_graph: bool = True) -> Session:
+         compile_policy: str = "warn", cuda_graph: bool = True, fuse: str = "auto") -> Session:
     """Load, validate and bind a pipeline (a path to pipeline.json, or a Pipeline).
 
     Defaults run the reference processor with eager graphs (predictable, fast to load);
@@ -196,4 +205,4 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
     p = pipeline if isinstance(pipeline, Pipeline) else read_pipeline(Path(pipeline))
     opts = LoadOptions(allow_outside_paths=allow_outside_paths, trust_export_archives=trust_export_archives)
     return Session(p, device_map=device_map, options=opts, store=store, processor=processor, compile=compile,
-                   compile_policy=compile_policy, cuda_graph=cuda_graph)
+                   compile_policy=compile_policy, cuda_graph=cuda_graph, fuse=fuse)

@@ -1,0 +1,344 @@
+"""The fusion pass: a matmul feeding a reduce_scatter, and an all_gather feeding a matmul,
+become one fused kernel (fastpipe.kernels) over all the group's participants.
+
+Patterns (every member of the group must match):
+  matmul -> reduce_scatter   the member's input is produced by a compute supertask whose
+                             graph ends (through views) in aten.mm(a, b) and is consumed by
+                             nothing else. The supertask keeps its prefix and now outputs a
+                             and b; the group's step runs matmul_reduce_scatter([a_i], [b_i]).
+  all_gather -> matmul       the member's output is consumed only by a compute supertask whose
+                             graph reads it only as the first operand of aten.mm(y, b) or
+                             aten.addmm(bias, y, b) (through views), b being a constant (or a
+                             transpose of one). The group's step runs all_gather_matmul([x_i], [b_j])
+                             and the supertask starts after the matmul (adding the bias, if any).
+The scatter/gather dim must be the matmul's rows (all dims before it of size 1) or its columns
+(the last dim). Steps are rewritten in place: the Program's structure (and what the checker
+proved about it) does not change.
+
+Policy: "off"; "auto" (default): fuse when every member is on one CUDA device and the shape is
+above the measured threshold (fastpipe.kernels.fused_is_faster); "always": fuse every match
+(on CPU the Triton kernels need TRITON_INTERPRET=1 - tests use that). Every group that could be
+fused gets a decision with its reason (Session.fusion, `fastpipe show --plan`).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+@dataclass
+class Decision:
+    group: str
+    pattern: str                       # "matmul->reduce_scatter" | "all_gather->matmul"
+    fused: bool
+    reason: str
+    supertasks: tuple[str, ...] = ()
+    plan: list = field(default_factory=list, repr=False)   # per member, what to rewrite
+
+    def line(self) -> str:
+        what = "fused" if self.fused else "not fused"
+        return f"group \"{self.group}\" ({self.pattern}, supertasks {', '.join(self.supertasks)}): {what}: {self.reason}"
+
+
+def _output_nodes(gm: fx.GraphModule) -> list:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    args = out.args[0]
+    return list(args) if isinstance(args, (tuple, list)) else [args]
+
+
+def _chain_to_mm(node: fx.Node):
+    """Walk back from `node` through single-user views to an aten.mm; returns (mm, chain) or None."""
+    chain = []
+    while node.op == "call_function" and node.target in VIEWS:
+        chain.append(node)
+        node = node.args[0]
+        if len(node.users) != 1:
+            return None
+    if node.op == "call_function" and node.target is aten.mm.default and len(node.users) == 1:
+        return node, chain
+    return None
+
+
+def _kernel_dim(shape: tuple[int, ...], dim: int) -> int | None:
+    """Map a scatter/gather dim of the (viewed) tensor onto the 2-D matmul: 0 rows, 1 columns."""
+    if dim == len(shape) - 1:
+        return 1
+    if math.prod(shape[:dim]) == 1:
+        return 0
+    return None
+
+
+def _meta_shape(p, name: str) -> tuple[int, ...]:
+    return tuple(p.tensors[name].shape)
+
+
+def analyze(session, policy: str) -> list[Decision]:
+    p, checked = session.pipeline, session.checked
+    graphs = checked.graphs or {}
+    flow = checked.flow
+    out: list[Decision] = []
+    for gname, g in checked.groups.items():
+        if g.kind not in ("reduce_scatter", "all_gather"):
+            continue
+        members = [p.supertasks[m] for m in g.members]
+        pattern = "matmul->reduce_scatter" if g.kind == "reduce_scatter" else "all_gather->matmul"
+        d = Decision(gname, pattern, False, "", tuple(g.members))
+        out.append(d)
+        reason = _match(p, flow, graphs, g, members, d)
+        if reason:
+            d.reason = reason
+            continue
+        devices = {session.slot_devices[m.device] for m in members}
+        if policy == "off":
+            d.reason = "fusion is off"
+        elif policy == "auto" and (len(devices) != 1 or next(iter(devices)).type != "cuda"):
+            d.reason = ("members on " + ", ".join(sorted(str(x) for x in devices)) +
+                        ": the fused kernels run on one CUDA device (fuse='always' forces them)")
+        elif policy == "auto" and not _big_enough(d, p):
+            d.reason = "below the size threshold (fastpipe.kernels.fused_is_faster): the unfused path is faster there"
+        else:
+            d.fused = True
+            d.reason = "all members match" + (" (forced)" if policy == "always" else "")
+    return out
+
+
+def _big_enough(d: Decision, p) -> bool:
+    from fastpipe.kernels import fused_is_faster
+
+    m = d.plan[0]
+    M, K = m["a_shape"]
+    N = m["b_shape"][1]
+    k_total = K * (len(d.plan) if d.pattern == "matmul->reduce_scatter" else 1)
+    return fused_is_faster(M, N, k_total, len(d.plan), m["dtype"])
+
+
+def _match(p, flow, graphs, g, members, d: Decision) -> str:
+    for rank, st in enumerate(members):
+        if g.kind == "reduce_scatter":
+            x = st.inputs[0]
+            prods = flow.producers.get(x, [])
+            if len(prods) != 1 or p.supertasks[prods[0]].kind != "fx":
+                return f"the input of supertask \"{g.members[rank]}\" is not produced by an fx supertask"
+            if flow.consumers.get(x) != [g.members[rank]]:
+                return f"\"{x}\" is also consumed elsewhere, so the matmul's result must exist"
+            sid = prods[0]
+            _annotate(graphs[sid])
+            gm = graphs[sid].gm
+            k = p.supertasks[sid].outputs.index(x)
+            found = _chain_to_mm(_output_nodes(gm)[k])
+            if found is None:
+                return f"supertask \"{sid}\" does not end in a matmul (aten.mm, through views) for \"{x}\""
+            mm, chain = found
+            kd = _kernel_dim(_meta_shape(p, x), g.params["dim"])
+            if kd is None:
+                return f"the scatter dim {g.params['dim']} of {list(_meta_shape(p, x))} is neither the matmul's rows nor its columns"
+            if g.params["reduce_op"] not in ("sum", "avg"):
+                return f"reduce_op {g.params['reduce_op']} cannot be fused into a matmul"
+            d.plan.append({"sid": sid, "out_index": k, "mm": mm, "chain": chain, "dim": kd, "x": x,
+                           "y": st.outputs[0], "a_shape": _shape2(mm.args[0], graphs[sid], p, sid),
+                           "b_shape": _shape2(mm.args[1], graphs[sid], p, sid), "dtype": p.tensors[x].dtype})
+        else:
+            y = st.outputs[0]
+            cons = flow.consumers.get(y, [])
+            if len(cons) != 1 or p.supertasks[cons[0]].kind != "fx":
+                return f"\"{y}\" is not consumed by exactly one fx supertask"
+            sid = cons[0]
+            _annotate(graphs[sid])
+            gm = graphs[sid].gm
+            idx = p.supertasks[sid].inputs.index(y)
+            ph = [n for n in gm.graph.nodes if n.op == "placeholder"][idx]
+            node, chain = ph, []
+            while len(node.users) == 1 and next(iter(node.users)).target in VIEWS:
+                node = next(iter(node.users))
+                chain.append(node)
+            users = list(node.users)
+            mm = users[0] if len(users) == 1 else None
+            is_mm = mm is not None and mm.target is aten.mm.default and mm.args[0] is node
+            is_addmm = (mm is not None and mm.target is aten.addmm.default and mm.args[1] is node and not mm.kwargs)
+            if not (is_mm or is_addmm):
+                return f"supertask \"{sid}\" uses \"{y}\" other than as the first operand of one matmul"
+            b = _constant_operand(mm.args[2 if is_addmm else 1], gm, p, sid)
+            if b is None:
+                return f"the matmul's second operand in supertask \"{sid}\" is not a constant (or its transpose)"
+            kd = _kernel_dim(_meta_shape(p, y), g.params["dim"])
+            if kd is None:
+                return f"the gather dim {g.params['dim']} of {list(_meta_shape(p, y))} is neither the matmul's rows nor its K"
+            d.plan.append({"sid": sid, "in_index": idx, "mm": mm, "chain": chain, "dim": kd, "x": st.inputs[0], "y": y,
+                           "b": b, "a_shape": _shape2(mm.args[1] if is_addmm else mm.args[0], graphs[sid], p, sid),
+                           "b_shape": b[2], "dtype": p.tensors[y].dtype})
+    return ""
+
+
+def _annotate(g) -> None:
+    """Give every node of a decoded graph its fake value (meta["val"]), once."""
+    gm = g.gm
+    if getattr(gm, "_fastpipe_annotated", False):
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = [torch.empty(m.shape, dtype=m.dtype) for m in g.input_metas]
+    FakeTensorProp(gm, mode).propagate(*fakes)
+    gm._fastpipe_annotated = True
+
+
+def _shape2(node, g, p, sid) -> tuple[int, int]:
+    """2-D shape of a matmul operand (from fake-tensor propagation over the decoded graph)."""
+    _annotate(g)
+    return tuple(node.meta["val"].shape)
+
+
+def _constant_operand(node, gm, p, sid):
+    """(placeholder index, transform, 2-D shape) when node is a constant placeholder, maybe transposed."""
+    transform = []
+    while node.op == "call_function" and node.target in TRANSPOSES:
+        transform.append((node.target, node.args[1:]))
+        node = node.args[0]
+    if node.op != "placeholder":
+        return None
+    idx = [n for n in gm.graph.nodes if n.op == "placeholder"].index(node)
+    name = p.supertasks[sid].inputs[idx]
+    if not p.tensors[name].is_constant:
+        return None
+    shape = list(p.tensors[name].shape)
+    for target, args in reversed(transform):
+        if target is aten.t.default:
+            shape = shape[::-1]
+        elif target is aten.transpose.int:
+            i, j = args
+            shape[i], shape[j] = shape[j], shape[i]
+        else:
+            shape = [shape[k] for k in args[0]]
+    if len(shape) != 2:
+        return None
+    return idx, list(reversed(transform)), tuple(shape)
+
+
+# ---------------------------------------------------------------------------- rewriting the steps
+def _prefix_graph(gm: fx.GraphModule, out_index: int, mm: fx.Node) -> fx.GraphModule:
+    """The graph without its final matmul: output `out_index` replaced by the matmul's operands (appended)."""
+    g = fx.Graph()
+    env: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            outs = [env[o] for i, o in enumerate(_output_nodes(gm)) if i != out_index]
+            g.output(tuple(outs) + (env[mm.args[0]], env[mm.args[1]]))
+        else:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.eliminate_dead_code()
+    return fx.GraphModule(gm, g)
+
+
+def _suffix_graph(gm: fx.GraphModule, in_index: int, mm: fx.Node) -> fx.GraphModule:
+    """The graph starting after the matmul: placeholder `in_index` dropped, the matmul's result a new last placeholder."""
+    g = fx.Graph()
+    env: dict = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, n in enumerate(placeholders):
+        if i != in_index:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    z = g.placeholder("fused_matmul_out")
+    bias_pending = mm.target is aten.addmm.default      # addmm(bias, y, w): the bias is added to the fused result
+    if not bias_pending:
+        env[mm] = z
+    for n in gm.graph.nodes:
+        if bias_pending and n is mm:
+            env[mm] = g.call_function(aten.add.Tensor, (z, env[mm.args[0]]))
+            continue
+        if n.op == "placeholder" or n in env:
+            continue
+        try:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        except KeyError:      # the gathered input's view chain and the matmul: no longer needed
+            continue
+    g.eliminate_dead_code()
+    return fx.GraphModule(gm, g)
+
+
+def _graph_fn(gm: fx.GraphModule, session, sid: str):
+    if session._binder.compile:
+        from fastpipe.runtime.compile import compiled_graph
+
+        dev = session.slot_devices[session.pipeline.supertasks[sid].device]
+        gm = compiled_graph(gm.code, gm, dev, f"supertasks[\"{sid}\"] (fused rest)", session._binder.compile_policy)
+        session._binder.compiled[sid] = gm
+
+    def run(xs, gm=gm):
+        out = gm(*xs)
+        return out if isinstance(out, (tuple, list)) else (out,)
+    return run
+
+
+def apply(session, decisions: list[Decision]) -> None:
+    """Rewrite the session's steps for every fused decision."""
+    import dataclasses
+
+    from fastpipe import kernels
+
+    p = session.pipeline
+    graphs = session.checked.graphs
+    by_sid = {s.supertasks[0]: i for i, s in enumerate(session.steps) if not s.label.startswith("fp:group:")}
+    by_group = {s.label[len("fp:group:"):]: i for i, s in enumerate(session.steps) if s.label.startswith("fp:group:")}
+    for d in decisions:
+        if not d.fused:
+            continue
+        gi = by_group[d.group]
+        group_step = session.steps[gi]
+        devices = tuple(session.slot_devices[p.supertasks[m].device] for m in d.supertasks)
+        ys = [m["y"] for m in d.plan]
+        y_shapes = [tuple(p.tensors[y].shape) for y in ys]
+        if d.pattern == "matmul->reduce_scatter":
+            reads, read_devs = [], []
+            for m, dev in zip(d.plan, devices):
+                i = by_sid[m["sid"]]
+                st = session.steps[i]
+                gm = _prefix_graph(graphs[m["sid"]].gm, m["out_index"], m["mm"])
+                a_name, b_name = f"{m['x']}#a", f"{m['x']}#b"
+                writes = tuple(w for w in st.writes if w != m["x"]) + (a_name, b_name)
+                session.steps[i] = dataclasses.replace(st, fn=_graph_fn(gm, session, m["sid"]), writes=writes)
+                reads += [a_name, b_name]
+                read_devs += [dev, dev]
+            dim, op = d.plan[0]["dim"], session.checked.groups[d.group].params["reduce_op"]
+
+            def fn(xs, dim=dim, op=op, y_shapes=y_shapes):
+                outs = kernels.matmul_reduce_scatter(xs[0::2], xs[1::2], dim=dim, op=op)
+                return [o.reshape(s) for o, s in zip(outs, y_shapes)]
+        else:
+            reads = [m["x"] for m in d.plan]
+            read_devs = list(devices)
+            consts = []
+            zs = []
+            for m, dev in zip(d.plan, devices):
+                i = by_sid[m["sid"]]
+                st = session.steps[i]
+                b_idx, transform, _ = m["b"]
+                b = st.reads[b_idx]
+                for target, args in transform:
+                    b = target(b, *args)
+                consts.append(b)
+                z = f"{m['y']}#mm"
+                zs.append(z)
+                gm = _suffix_graph(graphs[m["sid"]].gm, m["in_index"], m["mm"])
+                new_reads = tuple(r for k, r in enumerate(st.reads) if k != m["in_index"]) + (z,)
+                new_devs = tuple(dv for k, dv in enumerate(st.devices) if k != m["in_index"]) + (dev,)
+                session.steps[i] = dataclasses.replace(st, fn=_graph_fn(gm, session, m["sid"]), reads=new_reads,
+                                                       devices=new_devs)
+            ys = zs
+            dim = d.plan[0]["dim"]
+            x_shapes = [tuple(p.tensors[m["x"]].shape) for m in d.plan]
+
+            def fn(xs, dim=dim, consts=consts, x_shapes=x_shapes):
+                a = [x.reshape(-1, x.shape[-1]) for x in xs]
+                return kernels.all_gather_matmul(a, consts, dim=dim)
+        session.steps[gi] = dataclasses.replace(group_step, fn=fn, reads=tuple(reads), devices=tuple(read_devs),
+                                                writes=tuple(ys))
