@@ -1,5 +1,13 @@
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors through the interpreter; it must be set before triton is
+    # first imported (transformers may import it early), hence here.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -225,41 +225,43 @@ def _constant_operand(node, gm, p, sid):
 
 
 # ---------------------------------------------------------------------------- rewriting the steps
-def _prefix_graph(gm: fx.GraphModule, out_index: int, mm: fx.Node) -> fx.GraphModule:
-    """The graph without its final matmul: output `out_index` replaced by the matmul's operands (appended)."""
-    g = fx.Graph()
-    env: dict = {}
-    for n in gm.graph.nodes:
-        if n.op == "output":
-            outs = [env[o] for i, o in enumerate(_output_nodes(gm)) if i != out_index]
-            g.output(tuple(outs) + (env[mm.args[0]], env[mm.args[1]]))
-        else:
-            env[n] = g.node_copy(n, lambda a: env[a])
-    g.eliminate_dead_code()
-    return fx.GraphModule(gm, g)
+def _rewrite_graph(gm: fx.GraphModule, *, suffix=None, prefix=None) -> fx.GraphModule:
+    """One supertask's graph with its fused ends removed (both may apply to one supertask).
 
-
-def _suffix_graph(gm: fx.GraphModule, in_index: int, mm: fx.Node) -> fx.GraphModule:
-    """The graph starting after the matmul: placeholder `in_index` dropped, the matmul's result a new last placeholder."""
+    suffix=(in_index, mm): placeholder `in_index` (the gathered input) and its views are dropped;
+        the matmul's result becomes a new last placeholder (plus the bias, for addmm).
+    prefix=(out_index, mm): output `out_index` (the matmul's result) is dropped and the matmul's
+        operands are appended to the outputs.
+    """
     g = fx.Graph()
     env: dict = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(placeholders):
-        if i != in_index:
+        if suffix is None or i != suffix[0]:
             env[n] = g.node_copy(n, lambda a: env[a])
-    z = g.placeholder("fused_matmul_out")
-    bias_pending = mm.target is aten.addmm.default      # addmm(bias, y, w): the bias is added to the fused result
-    if not bias_pending:
-        env[mm] = z
+    if suffix is not None:
+        z = g.placeholder("fused_matmul_out")
+        mm_g = suffix[1]
+        if mm_g.target is not aten.addmm.default:
+            env[mm_g] = z
     for n in gm.graph.nodes:
-        if bias_pending and n is mm:
-            env[mm] = g.call_function(aten.add.Tensor, (z, env[mm.args[0]]))
-            continue
         if n.op == "placeholder" or n in env:
+            continue
+        if suffix is not None and n is suffix[1]:     # addmm(bias, y, w): the bias joins the fused result
+            env[n] = g.call_function(aten.add.Tensor, (z, env[n.args[0]]))
+            continue
+        if n.op == "output":
+            outs = _output_nodes(gm)
+            if prefix is None:
+                g.output(tuple(env[o] for o in outs))
+            else:
+                k, mm_r = prefix
+                kept = tuple(env[o] for i, o in enumerate(outs) if i != k)
+                g.output(kept + (env[mm_r.args[0]], env[mm_r.args[1]]))
             continue
         try:
             env[n] = g.node_copy(n, lambda a: env[a])
-        except KeyError:      # the gathered input's view chain and the matmul: no longer needed
+        except KeyError:      # depends on the dropped gathered input (its views, the matmul): not needed
             continue
     g.eliminate_dead_code()
     return fx.GraphModule(gm, g)
@@ -289,25 +291,21 @@ def apply(session, decisions: list[Decision]) -> None:
     graphs = session.checked.graphs
     by_sid = {s.supertasks[0]: i for i, s in enumerate(session.steps) if not s.label.startswith("fp:group:")}
     by_group = {s.label[len("fp:group:"):]: i for i, s in enumerate(session.steps) if s.label.startswith("fp:group:")}
+    edits: dict[str, dict] = {}          # supertask id -> {"prefix": ..., "suffix": ...}
     for d in decisions:
         if not d.fused:
             continue
         gi = by_group[d.group]
-        group_step = session.steps[gi]
         devices = tuple(session.slot_devices[p.supertasks[m].device] for m in d.supertasks)
-        ys = [m["y"] for m in d.plan]
-        y_shapes = [tuple(p.tensors[y].shape) for y in ys]
         if d.pattern == "matmul->reduce_scatter":
             reads, read_devs = [], []
             for m, dev in zip(d.plan, devices):
-                i = by_sid[m["sid"]]
-                st = session.steps[i]
-                gm = _prefix_graph(graphs[m["sid"]].gm, m["out_index"], m["mm"])
                 a_name, b_name = f"{m['x']}#a", f"{m['x']}#b"
-                writes = tuple(w for w in st.writes if w != m["x"]) + (a_name, b_name)
-                session.steps[i] = dataclasses.replace(st, fn=_graph_fn(gm, session, m["sid"]), writes=writes)
+                edits.setdefault(m["sid"], {})["prefix"] = (m["out_index"], m["mm"], m["x"], a_name, b_name)
                 reads += [a_name, b_name]
                 read_devs += [dev, dev]
+            ys = [m["y"] for m in d.plan]
+            y_shapes = [tuple(p.tensors[y].shape) for y in ys]
             dim, op = d.plan[0]["dim"], session.checked.groups[d.group].params["reduce_op"]
 
             def fn(xs, dim=dim, op=op, y_shapes=y_shapes):
@@ -316,29 +314,36 @@ def apply(session, decisions: list[Decision]) -> None:
         else:
             reads = [m["x"] for m in d.plan]
             read_devs = list(devices)
-            consts = []
-            zs = []
+            consts, ys = [], []
             for m, dev in zip(d.plan, devices):
-                i = by_sid[m["sid"]]
-                st = session.steps[i]
+                st = session.steps[by_sid[m["sid"]]]
                 b_idx, transform, _ = m["b"]
                 b = st.reads[b_idx]
                 for target, args in transform:
                     b = target(b, *args)
                 consts.append(b)
                 z = f"{m['y']}#mm"
-                zs.append(z)
-                gm = _suffix_graph(graphs[m["sid"]].gm, m["in_index"], m["mm"])
-                new_reads = tuple(r for k, r in enumerate(st.reads) if k != m["in_index"]) + (z,)
-                new_devs = tuple(dv for k, dv in enumerate(st.devices) if k != m["in_index"]) + (dev,)
-                session.steps[i] = dataclasses.replace(st, fn=_graph_fn(gm, session, m["sid"]), reads=new_reads,
-                                                       devices=new_devs)
-            ys = zs
+                ys.append(z)
+                edits.setdefault(m["sid"], {})["suffix"] = (m["in_index"], m["mm"], z, dev)
             dim = d.plan[0]["dim"]
-            x_shapes = [tuple(p.tensors[m["x"]].shape) for m in d.plan]
 
-            def fn(xs, dim=dim, consts=consts, x_shapes=x_shapes):
-                a = [x.reshape(-1, x.shape[-1]) for x in xs]
-                return kernels.all_gather_matmul(a, consts, dim=dim)
-        session.steps[gi] = dataclasses.replace(group_step, fn=fn, reads=tuple(reads), devices=tuple(read_devs),
+            def fn(xs, dim=dim, consts=consts):
+                return kernels.all_gather_matmul([x.reshape(-1, x.shape[-1]) for x in xs], consts, dim=dim)
+        session.steps[gi] = dataclasses.replace(session.steps[gi], fn=fn, reads=tuple(reads), devices=tuple(read_devs),
                                                 writes=tuple(ys))
+    for sid, e in edits.items():
+        i = by_sid[sid]
+        st = session.steps[i]
+        suffix = e.get("suffix")
+        prefix = e.get("prefix")
+        gm = _rewrite_graph(graphs[sid].gm, suffix=suffix and suffix[:2], prefix=prefix and prefix[:2])
+        reads, devs, writes = st.reads, st.devices, st.writes
+        if suffix is not None:
+            k, _, z, dev = suffix
+            reads = tuple(r for j, r in enumerate(reads) if j != k) + (z,)
+            devs = tuple(dv for j, dv in enumerate(devs) if j != k) + (dev,)
+        if prefix is not None:
+            _, _, x, a_name, b_name = prefix
+            writes = tuple(w for w in writes if w != x) + (a_name, b_name)
+        session.steps[i] = dataclasses.replace(st, fn=_graph_fn(gm, session, sid), reads=reads, devices=devs,
+                                               writes=writes)

@@ -2,10 +2,11 @@
 
 * One store per process (``default_store()``); ``WeightStore()`` makes a private
   one (tests).
-* Open files are cached by identity ``(realpath, st_dev, st_ino, st_size,
-  st_mtime_ns)``: pipelines that share files (buckets of one model) share one
-  ``safe_open`` handle / one loaded torch.save dict. A file that changed on disk
-  gets a new identity; the stale entry for the same path is dropped.
+* Open files are cached by identity ``(st_dev, st_ino, st_size, st_mtime_ns)``,
+  not by path: pipelines that share files (buckets of one model, each folder
+  holding its own hard link to the checkpoint) share one ``safe_open`` handle /
+  one loaded torch.save dict and one copy of every slice. A file that changed
+  on disk gets a new identity; the stale entry for the same inode is dropped.
 * Identical slices ``(file identity, format, name, placements, dtype)`` are the
   SAME tensor object while anyone holds it (a WeakValueDictionary), so the
   tensors a store returns are shared: treat them as read-only.
@@ -41,7 +42,7 @@ from .formats import OPENERS
 from .paths import stat_param_file
 from .ref import ParamRef
 
-FileKey = tuple  # (format, realpath, st_dev, st_ino, st_size, st_mtime_ns)
+FileKey = tuple  # (format, st_dev, st_ino, st_size, st_mtime_ns)
 
 
 def _untrusted_export(ref: ParamRef, where: str) -> ParamError:
@@ -55,6 +56,7 @@ class WeightStore:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._files: dict[FileKey, object] = {}
+        self._path_keys: dict[str, FileKey] = {}   # path -> the identity it had when last opened
         self._slices: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._counts = {"file_opens": 0, "slice_hits": 0, "slice_misses": 0, "bytes_read": 0}
 
@@ -65,15 +67,19 @@ class WeightStore:
             raise _untrusted_export(ref, where)
         path = Path(ref.path)
         st = stat_param_file(path, where=where)
-        key = (ref.format, str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = (ref.format, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         with self._lock:
             opened = self._files.get(key)
             if opened is None:
                 opened = OPENERS[ref.format](path, st.st_size, where=where)
-                for old in [k for k in self._files if k[:2] == key[:2]]:
-                    del self._files[old]  # the file changed on disk: drop the stale handle
+                stale = [k for k in self._files if k[:3] == key[:3]]          # same inode, rewritten in place
+                if self._path_keys.get(str(path), key) != key:               # the path now names another file
+                    stale.append(self._path_keys[str(path)])
+                for old in stale:
+                    self._files.pop(old, None)
                 self._files[key] = opened
                 self._counts["file_opens"] += 1
+            self._path_keys[str(path)] = key
         return key, opened
 
     def _checked(self, ref: ParamRef, shape, dtype, *, where: str, trust_export: bool):

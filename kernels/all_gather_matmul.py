@@ -1,0 +1,319 @@
+"""Fused all_gather + matmul: ``out_j = cat(a_0, ..., a_{n-1}; dim) @ b[j]`` without the cat.
+
+Tensor parallelism starts a column-parallel linear layer after a sequence-parallel region
+with exactly this: participant i holds a shard ``a[i]`` of the activations, every
+participant needs the whole activation times its own weight columns ``b[j]``. The story:
+
+1. :func:`all_gather_matmul_reference` -- plain torch, the oracle, with the traffic of the
+   unfused path (gather, then matmul) counted.
+2. ``_gather_rows_kernel`` (dim 0) -- the ``@triton.jit`` kernel: a tile's rows are read
+   straight from the shard that holds them (a tile may span shards when M_i is not a
+   multiple of BLOCK_M; each row picks its own shard's pointer). dim 1 (shards along K)
+   is a sum of products over K-slices -- exactly the kernel of
+   :mod:`fastpipe.kernels.matmul_reduce_scatter`, with ``b[j]`` cut into row slices
+   (views, no copies) and one plain output.
+3. :func:`all_gather_matmul` -- the launcher: validates, picks block sizes, one launch per
+   output j.
+4. :func:`all_gather_matmul_overlapped` -- for participants on different GPUs: participant
+   j starts with its own shard and multiplies each other shard as it arrives (ring order),
+   the copy of the next shard overlapping the current GEMM.
+
+Shapes: dim 0 -- ``a[i]: [M_i, K]`` (equal M_i), ``b[j]: [K, N_j]``, ``out_j: [n*M_i, N_j]``;
+dim 1 (or -1) -- ``a[i]: [M, K_i]`` (K_i may differ), ``b[j]: [sum K_i, N_j]``,
+``out_j: [M, N_j]``. N_j may differ between participants. dtypes float32, bfloat16,
+float16; float32 accumulation, output in the input dtype.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from fastpipe.kernels.matmul_reduce_scatter import (
+    KernelConfig,
+    _input_precision,
+    _norm_dim,
+    _require_launchable,
+    _Transfers,
+    check_devices,
+    check_group,
+    device_guard,
+    dot_f32,
+    launch_mm_sum,
+    mm_f32,
+    pick_config,
+    tl,
+    triton,
+)
+
+__all__ = ["all_gather_matmul", "all_gather_matmul_overlapped", "all_gather_matmul_reference"]
+
+
+# ---------------------------------------------------------------------------
+# 1. reference
+# ---------------------------------------------------------------------------
+
+def all_gather_matmul_reference(a: Sequence[Tensor], b: Sequence[Tensor], dim: int = 0) -> list[Tensor]:
+    """[cat(a; dim) @ b[j] for j] in plain torch: float32 products, one cast; on b[j]'s device.
+
+    Memory traffic of the unfused path (element size s, A = cat(a) of M x K elements),
+    per output j, of which the fused kernel keeps only the last two lines::
+
+        gather: read the shards, write A     2 * s * M*K   (once per participant in a real group)
+        read A and b[j]                      s * (M*K + K*N_j)
+        write out_j                          s * M*N_j
+    """
+    what = "all_gather_matmul_reference"
+    dim, M, K, ns = _check_operands(what, a, b, dim, same_device=False)
+    outs = []
+    for bj in b:
+        full = torch.cat([x.to(bj.device, torch.float32) for x in a], dim=dim)
+        outs.append((full @ bj.to(torch.float32)).to(bj.dtype))
+    return outs
+
+
+# ---------------------------------------------------------------------------
+# 2. the kernel (dim 0; dim 1 uses matmul_reduce_scatter's _mm_sum_kernel)
+# ---------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_rows_kernel(
+        A, SAM, SAK,             # tuples of NPART: shard pointers [M_SHARD, K] and their strides
+        B, C,                    # b[j]: [K, N], out_j: [NPART * M_SHARD, N]
+        M_SHARD, N, K,
+        stride_bk, stride_bn, stride_cm, stride_cn,
+        NPART: tl.constexpr,
+        SAME_SAK: tl.constexpr,  # every shard has the same K stride (then loads vectorize along K)
+        ROW_ALIGN: tl.constexpr, # bytes every row start is a multiple of (16, or 1: unknown)
+        INPUT_PRECISION: tl.constexpr,
+        DOT_F32: tl.constexpr,   # interpreter + bf16 only (see matmul_reduce_scatter.dot_f32)
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """C[tile] = cat(A; 0)[rows] @ B[:, cols]; row r comes from shard r // M_SHARD."""
+        M = M_SHARD * NPART
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+
+        rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # wrapped: loads need no row mask
+        shard = rows // M_SHARD
+        local = (rows - shard * M_SHARD).to(tl.int64)
+        # each row's base pointer in its own shard
+        a_rows = A[0] + local * SAM[0]
+        for s in tl.static_range(1, NPART):
+            a_rows = tl.where(shard == s, A[s] + local * SAM[s], a_rows)
+        if ROW_ALIGN > 1:
+            # a select loses the pointers' alignment; without it loads are not vectorized
+            # and not pipelined (cp.async needs >= 4-byte pieces). The launcher checked it.
+            a_rows = tl.multiple_of(a_rows, ROW_ALIGN)
+        offs_k = tl.arange(0, BLOCK_K)
+        if SAME_SAK:
+            a_ptrs = a_rows[:, None] + offs_k[None, :] * SAK[0]
+            a_step = BLOCK_K * SAK[0]
+        else:
+            sak = tl.zeros((BLOCK_M,), dtype=tl.int64) + SAK[0]
+            for s in tl.static_range(1, NPART):
+                sak = tl.where(shard == s, SAK[s], sak)
+            a_ptrs = a_rows[:, None] + offs_k[None, :] * sak[:, None]
+            a_step = BLOCK_K * sak[:, None]
+        offs_bn = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
+        b_ptrs = B + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a_t = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b_t = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if DOT_F32:
+                a_t = a_t.to(tl.float32)
+                b_t = b_t.to(tl.float32)
+            acc = tl.dot(a_t, b_t, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += a_step
+            b_ptrs += BLOCK_K * stride_bk
+
+        c_t = acc.to(C.dtype.element_ty)
+        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = C + (offs_cm.to(tl.int64)[:, None] * stride_cm + offs_cn.to(tl.int64)[None, :] * stride_cn)
+        tl.store(c_ptrs, c_t, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+else:  # pragma: no cover
+    _gather_rows_kernel = None
+
+
+# ---------------------------------------------------------------------------
+# 3. launcher
+# ---------------------------------------------------------------------------
+
+def launch_gather_rows(a: Sequence[Tensor], bj: Tensor, out: Tensor, config: KernelConfig | None = None) -> Tensor:
+    """out <- cat(a; 0) @ bj with one launch (operands already validated); out: [n*M_i, N] any strides."""
+    what = "all_gather_matmul"
+    _require_launchable(what, out.device)
+    ms, K = a[0].shape
+    M, N = out.shape
+    if M == 0 or N == 0:
+        return out
+    cfg = config or pick_config(M, N, K, bj.dtype, out.device)
+    saks = tuple(x.stride(1) for x in a)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    with device_guard(out.device):  # Triton launches on the current device, not the tensors'
+        _gather_rows_kernel[grid](
+            tuple(a), tuple(x.stride(0) for x in a), saks,
+            bj, out, ms, N, K, bj.stride(0), bj.stride(1), out.stride(0), out.stride(1),
+            NPART=len(a), SAME_SAK=len(set(saks)) == 1, ROW_ALIGN=_row_align(a),
+            INPUT_PRECISION=_input_precision(bj.dtype), DOT_F32=dot_f32(bj.dtype),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return out
+
+
+def _row_align(a: Sequence[Tensor]) -> int:
+    """16 when every shard's rows start on a 16-byte boundary, else 1 (no alignment hint)."""
+    size = a[0].element_size()
+    ok = all(x.data_ptr() % 16 == 0 and (x.stride(0) * size) % 16 == 0 for x in a)
+    return 16 if ok else 1
+
+
+def all_gather_matmul(a: Sequence[Tensor], b: Sequence[Tensor], dim: int = 0, *,
+                      config: KernelConfig | None = None) -> list[Tensor]:
+    """[cat(a; dim) @ b[j] for j = 0..n-1], never materializing cat(a): one launch per j.
+
+    dim 0: a[i]: [M_i, K] (equal M_i), b[j]: [K, N_j] -> out_j: [n*M_i, N_j]; each tile's
+    rows are loaded from the shard holding them. dim 1 (-1): a[i]: [M, K_i], b[j]:
+    [sum K_i, N_j] -> out_j: [M, N_j]; each K-slice is read from its shard and multiplied by
+    the matching rows of b[j] (a view). Any strides; everything on one device; 1 <= n <= 8.
+    Returns fresh contiguous tensors in the input dtype. ``config`` overrides pick_config.
+    """
+    what = "all_gather_matmul"
+    dim, M, K, ns = _check_operands(what, a, b, dim, same_device=True)
+    device = a[0].device
+    _require_launchable(what, device)
+    outs = []
+    for bj, nj in zip(b, ns):
+        out = torch.empty(M, nj, dtype=bj.dtype, device=device)
+        if dim == 0:
+            launch_gather_rows(a, bj, out, config)
+        else:
+            launch_mm_sum(a, _k_slices(a, bj), out, config=config, what=what)
+        outs.append(out)
+    return outs
+
+
+def _k_slices(a: Sequence[Tensor], bj: Tensor) -> list[Tensor]:
+    """The rows of bj that multiply each shard a[i] (dim 1): views, no copies."""
+    slices, start = [], 0
+    for x in a:
+        k = x.shape[1]
+        slices.append(bj[start:start + k])
+        start += k
+    return slices
+
+
+# ---------------------------------------------------------------------------
+# 4. overlapped variant (participants on different GPUs)
+# ---------------------------------------------------------------------------
+
+def all_gather_matmul_overlapped(a: Sequence[Tensor], b: Sequence[Tensor], dim: int = 0) -> list[Tensor]:
+    """all_gather_matmul for participants on different GPUs, shard transfers overlapped with GEMMs.
+
+    Participant j (a[j] and b[j] on its device) computes with its own shard first, then
+    with shard (j-1) % n, (j-2) % n, ... (ring order). Each shard is copied straight from
+    its owner's device on a dedicated copy stream, one step ahead: the copy of the next
+    shard runs while the current GEMM does. dim 0: each shard's GEMM writes its own row
+    block of out_j (input dtype, float32 accumulation inside the GEMM). dim 1: each shard's
+    product with its K-slice of b[j] is added into a float32 accumulator, cast once at the
+    end. Output j lives on participant j's device.
+
+    On CPU, or with every participant on one device, the same schedule runs sequentially
+    (no streams).
+    """
+    what = "all_gather_matmul_overlapped"
+    dim, M, K, ns = _check_operands(what, a, b, dim, same_device=False)
+    n = len(a)
+    devices = [x.device for x in a]
+    net = _Transfers(devices)
+    koff = [0]
+    for x in a:
+        koff.append(koff[-1] + x.shape[1])
+    ms = a[0].shape[0]
+
+    def fetch(j: int, step: int):  # shard (j - step) % n, on its way to participant j's device
+        src = (j - step) % n
+        if step == 0:
+            return src, a[src], None
+        t, event = net.send(a[src], devices[j], is_input=True)
+        return src, t, event
+
+    outs: list[Tensor] = [torch.empty(M, nj, dtype=a[0].dtype, device=devices[j]) for j, nj in enumerate(ns)]
+    acc: list[Tensor | None] = [None] * n
+    inflight = [fetch(j, 0) for j in range(n)]
+    for step in range(n):
+        current = inflight
+        if step + 1 < n:  # start the next shard's copy before this step's GEMMs
+            inflight = [fetch(j, step + 1) for j in range(n)]
+        for j in range(n):
+            src, shard, event = current[j]
+            shard = net.wait(shard, event)
+            if dim == 0:
+                _mm_into(outs[j][src * ms:(src + 1) * ms], shard, b[j])
+            else:
+                p = mm_f32(shard, b[j][koff[src]:koff[src + 1]])
+                if acc[j] is None:
+                    acc[j] = p
+                else:
+                    acc[j].add_(p)
+    if dim == 1:
+        for j in range(n):
+            outs[j].copy_(acc[j])
+    return outs
+
+
+def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out <- a @ b (float32 accumulation, one rounding to out's dtype); out may be a row block view."""
+    if out.device.type == "cuda":
+        launch_mm_sum([a], [b], out, what="all_gather_matmul_overlapped")
+    else:
+        out.copy_(torch.mm(a.float(), b.float()))
+
+
+# ---------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------
+
+def _check_operands(what: str, a, b, dim, same_device: bool) -> tuple[int, int, int, list[int]]:
+    """Returns (dim, M, K, [N_j]) of the gathered product cat(a; dim): [M, K] @ b[j]: [K, N_j]."""
+    n = check_group(what, a, b)
+    dim = _norm_dim(dim, what)
+    if dim == 0:
+        ms, K = a[0].shape
+        for i, x in enumerate(a):
+            if tuple(x.shape) != (ms, K):
+                raise ValueError(f"{what}: a[{i}]: expected shape {[ms, K]} like a[0] (shards along dim 0), "
+                                 f"found {list(x.shape)}")
+        M = n * ms
+    else:
+        M = a[0].shape[0]
+        for i, x in enumerate(a):
+            if x.shape[0] != M:
+                raise ValueError(f"{what}: a[{i}]: expected {M} rows like a[0] (shards along dim 1), "
+                                 f"found shape {list(x.shape)}")
+        K = sum(x.shape[1] for x in a)
+    for j, bj in enumerate(b):
+        if bj.shape[0] != K:
+            raise ValueError(f"{what}: b[{j}]: expected {K} rows (the K of cat(a; {dim})), "
+                             f"found shape {list(bj.shape)}")
+    if same_device:
+        check_devices(what, list(a) + list(b), True)
+    else:
+        check_devices(what, [], False, pairs=zip(a, b))
+    return dim, int(M), int(K), [int(bj.shape[1]) for bj in b]

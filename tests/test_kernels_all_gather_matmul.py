@@ -1,0 +1,223 @@
+"""fastpipe.kernels.all_gather_matmul: the fused kernel, its reference and the overlapped variant.
+
+Without CUDA the Triton kernels run under TRITON_INTERPRET=1 (set below, before triton is
+imported). Every result is compared with an independent float64 computation,
+``torch.cat([x.double() for x in a], dim) @ b[j].double()``; the tolerance rule and its
+measured justification are in tests/test_kernels_matmul_reduce_scatter.py
+(``|out - exp| <= rtol * |exp| + atol * (|A| @ |b_j|)``).
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from fastpipe.kernels import (  # noqa: E402
+    KernelConfig,
+    all_gather_matmul,
+    all_gather_matmul_overlapped,
+    all_gather_matmul_reference,
+)
+from fastpipe.kernels.matmul_reduce_scatter import interpreting  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: (1e-5, 2e-6), torch.float16: (1e-3, 1e-6), torch.bfloat16: (1.6e-2, 1e-6)}
+
+
+def test_kernels_run_here():
+    assert CUDA or interpreting()
+
+
+def operands(n, dim, dtype, seed=0, device=DEV, ms=7, M=37, K=45):
+    """Shards a (dim 0: [ms, K] each; dim 1: [M, K_i] with K_i = 11 + 5i) and b[j]: [K, 33 + j],
+    a transposed weight view (w.t()) for even j."""
+    g = torch.Generator().manual_seed(seed)
+    if dim in (0, -2):
+        a = [torch.randn(ms, K, generator=g).to(dtype).to(device) for _ in range(n)]
+        k_total = K
+    else:
+        a = [torch.randn(M, 11 + 5 * i, generator=g).to(dtype).to(device) for i in range(n)]
+        k_total = sum(x.shape[1] for x in a)
+    b = [(torch.randn(33 + j, k_total, generator=g).to(dtype).to(device).t() if j % 2 == 0
+          else torch.randn(k_total, 33 + j, generator=g).to(dtype).to(device)) for j in range(n)]
+    return a, b
+
+
+def assert_matches(outs, a, b, dim, tol=None):
+    full = torch.cat([x.double() for x in a], dim=dim)
+    assert len(outs) == len(b)
+    rtol, atol = tol or TOL[a[0].dtype]
+    for j, (o, bj) in enumerate(zip(outs, b)):
+        e = full.to(o.device) @ bj.double().to(o.device)
+        m = full.abs().to(o.device) @ bj.double().abs().to(o.device)
+        assert o.shape == e.shape, f"output {j}: shape {tuple(o.shape)} != {tuple(e.shape)}"
+        assert o.dtype == a[0].dtype and o.is_contiguous(), f"output {j}: {o.dtype}, contiguous {o.is_contiguous()}"
+        assert torch.isfinite(o).all(), f"output {j}: {(~torch.isfinite(o)).sum().item()} non-finite elements"
+        err = (o.double() - e).abs()
+        allowed = rtol * e.abs() + atol * m
+        bad = err > allowed
+        if bad.any():
+            idx = bad.nonzero()[:8].tolist()
+            rows = "; ".join(f"{tuple(i)}: got {o[tuple(i)].item():.6g}, expected {e[tuple(i)].item():.6g}, "
+                             f"|err| {err[tuple(i)].item():.3g} > {allowed[tuple(i)].item():.3g}" for i in idx)
+            raise AssertionError(f"output {j}: {bad.sum().item()} of {o.numel()} elements mismatch "
+                                 f"(rtol {rtol}, atol {atol} * mag); first: {rows}")
+
+
+# ---------------------------------------------------------------------------
+# the fused kernels
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_matches_float64(dtype, n, dim):
+    """dim 0: 7-row shards, so most row tiles span several shards; dim 1: unequal K_i."""
+    a, b = operands(n, dim, dtype, seed=10 * n + dim)
+    assert_matches(all_gather_matmul(a, b, dim=dim), a, b, dim)
+
+
+@pytest.mark.parametrize("dim", [-2, -1])
+def test_negative_dims(dim):
+    a, b = operands(2, dim, torch.float32, seed=3)
+    assert_matches(all_gather_matmul(a, b, dim=dim), a, b, dim % 2)
+
+
+def test_dim0_mixed_shard_layouts_and_tiny_tiles():
+    """Shards with different K strides (one a transposed view: no common K stride) and unaligned
+    row starts (no alignment hint); 16x16x16 tiles, shards of 20 rows straddle tiles."""
+    g = torch.Generator().manual_seed(5)
+    a = [torch.randn(20, 37, generator=g).to(DEV),
+         torch.randn(37, 20, generator=g).t().to(DEV),               # strides (1, 20)
+         torch.randn(20, 41, generator=g)[:, 1:38].to(DEV)]          # odd row stride, offset start
+    b = [torch.randn(37, 30, generator=g).to(DEV)] * 3
+    cfg = KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1)
+    assert_matches(all_gather_matmul(a, b, dim=0, config=cfg), a, b, 0)
+
+
+def test_dim1_noncontiguous_shards():
+    g = torch.Generator().manual_seed(6)
+    a = [torch.randn(19, 40, generator=g).t().to(DEV), torch.randn(40, 30, generator=g)[:, ::2].to(DEV)]
+    b = [torch.randn(34, 21, generator=g).to(DEV), torch.randn(18, 34, generator=g).t().to(DEV)]  # K = 19 + 15
+    assert_matches(all_gather_matmul(a, b, dim=1), a, b, 1)
+
+
+def test_outputs_are_fresh():
+    a, b = operands(2, 0, torch.float32)
+    outs = all_gather_matmul(a, b, dim=0)
+    ptrs = {o.data_ptr() for o in outs}
+    assert len(ptrs) == 2 and not ptrs & {x.data_ptr() for x in a + b}
+
+
+# ---------------------------------------------------------------------------
+# reference and overlapped variant
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reference_matches_float64(dtype, dim):
+    a, b = operands(4, dim, dtype, seed=11, device="cpu")
+    assert_matches(all_gather_matmul_reference(a, b, dim), a, b, dim)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_overlapped_on_one_device_matches_float64(dtype, n, dim):
+    a, b = operands(n, dim, dtype, seed=13 + n, device="cpu")
+    assert_matches(all_gather_matmul_overlapped(a, b, dim=dim), a, b, dim)
+
+
+def test_overlapped_ring_order(monkeypatch):
+    """Participant j multiplies its own shard first, then (j-1) % n, (j-2) % n, ..."""
+    import sys
+
+    agm = sys.modules["fastpipe.kernels.all_gather_matmul"]
+    calls = []
+    real = agm._mm_into
+
+    def spy(out, x, y):
+        calls.append((x.data_ptr(), y.data_ptr()))
+        real(out, x, y)
+
+    monkeypatch.setattr(agm, "_mm_into", spy)
+    n = 4
+    a, b = operands(n, 0, torch.float32, device="cpu")
+    all_gather_matmul_overlapped(a, b, dim=0)
+    shard = {x.data_ptr(): i for i, x in enumerate(a)}
+    order = [[shard[p] for p, bp in calls if bp == b[j].data_ptr()] for j in range(n)]
+    assert order == [[(j - s) % n for s in range(n)] for j in range(n)]
+
+
+# ---------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", [all_gather_matmul, all_gather_matmul_overlapped, all_gather_matmul_reference])
+def test_errors(fn):
+    a, b = operands(2, 0, torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="len\\(b\\)"):
+        fn(a, b[:1])
+    with pytest.raises(ValueError, match="like a\\[0\\] \\(shards along dim 0\\)"):
+        fn([a[0], a[1][:5]], b)
+    with pytest.raises(ValueError, match="b\\[1\\]: expected 45 rows"):
+        fn(a, [b[0], b[1][:40]])
+    a1, b1 = operands(2, 1, torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="rows like a\\[0\\] \\(shards along dim 1\\)"):
+        fn([a1[0], a1[1][:30]], b1, dim=1)
+    with pytest.raises(ValueError, match="b\\[0\\]: expected 27 rows"):
+        fn(a1, [b1[0][:26], b1[1]], dim=1)
+    with pytest.raises(ValueError, match="dim"):
+        fn(a, b, dim=2)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        fn([x.double() for x in a], [x.double() for x in b])
+    with pytest.raises(ValueError, match="1 <= n <= 8"):
+        fn([], [])
+
+
+def test_fused_needs_one_device():
+    a, b = operands(2, 0, torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="every tensor on"):
+        all_gather_matmul(a, [b[0], b[1].to("meta")])
+
+
+# ---------------------------------------------------------------------------
+# GPU scale (skipped without CUDA)
+# ---------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("M", [16, 8192])
+def test_gpu_scale_bf16(M, n, dim):
+    """cat(a) is [M, 4096] (rows or K split n ways), b[j] = w.t(): [4096, 4096 / n], bf16."""
+    g = torch.Generator().manual_seed(M + n)
+    K, N = 4096, 4096 // n
+    if dim == 0:
+        a = [torch.randn(M // n, K, generator=g).bfloat16().cuda() for _ in range(n)]
+    else:
+        a = [torch.randn(M, K // n, generator=g).bfloat16().cuda() for _ in range(n)]
+    b = [torch.randn(N, K, generator=g).bfloat16().cuda().t() for _ in range(n)]
+    assert_matches(all_gather_matmul(a, b, dim=dim), a, b, dim, tol=(8e-3, 1e-5))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dim", [0, 1])
+def test_overlapped_across_gpus(dim):
+    n = min(torch.cuda.device_count(), 4)
+    g = torch.Generator().manual_seed(0)
+    M, K, N = 2048, 2048, 1024
+    a = [torch.randn(M // n, K, generator=g).bfloat16().to(f"cuda:{i}") if dim == 0 else
+         torch.randn(M, K // n, generator=g).bfloat16().to(f"cuda:{i}") for i in range(n)]
+    b = [torch.randn(N, K, generator=g).bfloat16().to(f"cuda:{i}").t() for i in range(n)]
+    outs = all_gather_matmul_overlapped(a, b, dim=dim)
+    assert [o.device for o in outs] == [x.device for x in b]
+    torch.cuda.synchronize()
+    assert_matches([o.to("cuda:0") for o in outs], [x.to("cuda:0") for x in a], [x.to("cuda:0") for x in b], dim,
+                   tol=(8e-3, 1e-5))
