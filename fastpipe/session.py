@@ -25,14 +25,16 @@ from fastpipe.validate.sources import payload_text
 from fastpipe.weights import WeightStore, default_store
 
 
-PROCESSORS = ("reference", "cpu", "cuda")
+PROCESSORS = ("reference", "cpu", "cuda", "dist")
 
 
 class Session:
     """A loaded pipeline, ready to run. Not thread-safe: use one per thread, or serialise calls.
 
     processor: "reference" (one step at a time, the oracle), "cpu" (a thread per slot,
-    fastpipe.runtime.cpu_processor) or "cuda" (a stream per slot, CUDA-graph replay).
+    fastpipe.runtime.cpu_processor), "cuda" (a stream per slot, CUDA-graph replay) or "dist"
+    (one process per rank under torchrun, fastpipe.runtime.dist_processor: run() on every rank
+    returns the outputs on rank 0 and {} elsewhere).
     compile: run every fx supertask through torch.compile (inductor); compile failures
     follow `compile_policy` ("warn": that supertask runs eagerly, with a warning; "raise").
     fuse: "auto" fuses matmul->reduce_scatter and all_gather->matmul into Triton kernels on one
@@ -43,7 +45,8 @@ class Session:
     def __init__(self, pipeline: Pipeline, *, device_map: Mapping[str, str] | None = None,
                  options: LoadOptions | None = None, store: WeightStore | None = None,
                  processor: str = "reference", compile: bool = False, compile_policy: str = "warn",
-                 cuda_graph: bool = True, fuse: str = "auto"):
+                 cuda_graph: bool = True, fuse: str = "auto", slot_ranks: Mapping[str, int] | None = None,
+                 dist_timeout: float | None = None):
         from fastpipe.errors import InputError
 
         if fuse not in ("auto", "off", "always"):
@@ -58,6 +61,16 @@ class Session:
         self.pipeline = pipeline
         self.slot_devices = resolve_device_map(pipeline, device_map)
         self.processor = processor
+        # -- dist processor (fastpipe.runtime.dist_processor): this rank binds and runs only its slots
+        self._dist_plan = None
+        if processor == "dist":
+            from fastpipe.runtime.dist_setup import make_plan
+
+            self._dist_plan = make_plan(pipeline, self.slot_devices, slot_ranks)
+            self.slot_devices, fuse = self._dist_plan.slot_devices, "off"   # fused kernels need one device
+        elif slot_ranks is not None:
+            raise InputError(f"slot_ranks: expected processor=\"dist\", found processor=\"{processor}\"")
+        # -- end dist
         self._binder = Binder(pipeline, self.options, self.store, self.slot_devices, compile=compile,
                               compile_policy=compile_policy)
         self.steps = self._build_steps()
@@ -81,6 +94,10 @@ class Session:
             from fastpipe.runtime.cuda_processor import CudaRunner
 
             self._runner = CudaRunner(self, cuda_graph=cuda_graph)
+        elif processor == "dist":
+            from fastpipe.runtime.dist_processor import DistRunner
+
+            self._runner = DistRunner(self, self._dist_plan, timeout_s=dist_timeout)
         self._input_devices = {
             n: {self.slot_devices[pipeline.supertasks[c].device] for c in self.checked.flow.consumers.get(n, [])}
             for n in pipeline.input_names
@@ -90,6 +107,7 @@ class Session:
         p, b = self.pipeline, self._binder
         graphs = self.checked.graphs or {}
         steps, done_groups = [], set()
+        local = set(self._dist_plan.local_slots) if self._dist_plan else None   # dist: this rank's slots only
         by_node = {}
         for sid in p.supertasks:
             by_node.setdefault(node_of(p, sid), sid)
@@ -103,10 +121,14 @@ class Session:
                     continue
                 done_groups.add(st.group)
                 group = self.checked.groups[st.group]
+                if local is not None and not any(p.supertasks[m].device in local for m in group.members):
+                    continue
                 consts = {}
                 for m in group.members:
                     consts.update(b.constants_for(p.supertasks[m].inputs, self.slot_devices[p.supertasks[m].device]))
                 steps.append(comm_step(group, p.supertasks, self.slot_devices, consts))
+                continue
+            if local is not None and st.device not in local:
                 continue
             dev = self.slot_devices[st.device]
             g = graphs.get(sid)
@@ -161,6 +183,8 @@ class Session:
 
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise InputError(f"chunks: expected an integer >= 1, found {chunks!r}")
+        if self.processor == "dist":   # every rank calls run; rank 0 gets the outputs (dist_processor)
+            return self._runner.session_run(inputs, chunks=chunks, trace=trace)
         if self.compile_report is None and self._binder.compiled:
             self.compile()
         events: list | None = [] if trace is not None else None
@@ -182,6 +206,23 @@ class Session:
             return results[0]
         return {n: torch.cat([r[n] for r in results], dim=0) for n in self.output_names}
 
+    def run_model(self, *, check_replicas: bool = False, **model_inputs) -> dict[str, torch.Tensor]:
+        """Run with the ORIGINAL model's inputs (SPEC metadata): nested arguments are flattened by
+        SPEC naming (`past_key_values_3_1`), each is sliced onto its slots, and each original
+        output is assembled from its slices (check_replicas: replicated slices must agree).
+        Returns a dict keyed by the original output names (e.g. `logits`)."""
+        from fastpipe.model_io import assemble_outputs, flatten_args, to_pipeline_inputs
+
+        outs = self.run(to_pipeline_inputs(self.pipeline, flatten_args(model_inputs)))
+        return assemble_outputs(self.pipeline, outs, check_replicas=check_replicas)
+
+    def close(self) -> None:
+        """Drop this session's steps and constants (weights nobody else holds are freed)."""
+        self.steps, self._runner, self._binder = [], None, None
+        import gc
+
+        gc.collect()
+
     def _run_parts(self, parts, chunks, events):
         if self.processor == "reference":
             import time
@@ -196,13 +237,17 @@ class Session:
 def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] | None = None, *,
          allow_outside_paths: bool = False, trust_export_archives: bool = False,
          store: WeightStore | None = None, processor: str = "reference", compile: bool = False,
-         compile_policy: str = "warn", cuda_graph: bool = True, fuse: str = "auto") -> Session:
+         compile_policy: str = "warn", cuda_graph: bool = True, fuse: str = "auto",
+         slot_ranks: Mapping[str, int] | None = None, dist_timeout: float | None = None) -> Session:
     """Load, validate and bind a pipeline (a path to pipeline.json, or a Pipeline).
 
     Defaults run the reference processor with eager graphs (predictable, fast to load);
     `processor="cpu"` / `"cuda"` and `compile=True` select the fast paths (see Session).
+    `processor="dist"` inside a torchrun-launched process runs this rank's slots (`slot_ranks`
+    overrides which; `dist_timeout` in seconds bounds every collective); see docs/distributed.md.
     """
     p = pipeline if isinstance(pipeline, Pipeline) else read_pipeline(Path(pipeline))
     opts = LoadOptions(allow_outside_paths=allow_outside_paths, trust_export_archives=trust_export_archives)
     return Session(p, device_map=device_map, options=opts, store=store, processor=processor, compile=compile,
-                   compile_policy=compile_policy, cuda_graph=cuda_graph, fuse=fuse)
+                   compile_policy=compile_policy, cuda_graph=cuda_graph, fuse=fuse, slot_ranks=slot_ranks,
+                   dist_timeout=dist_timeout)

@@ -1,0 +1,106 @@
+"""Model-level calls: the original model's inputs/outputs <-> the pipeline's tensors (SPEC §1 Metadata).
+
+    flatten_args({"input_ids": t, "past_key_values": [[k0, v0], [k1, v1]]})
+        -> {"input_ids": t, "past_key_values_0_0": k0, "past_key_values_0_1": v0, ...}
+    to_pipeline_inputs(pipeline, flat)      # each pipeline input = origin[placements] (on its slot)
+    assemble_outputs(pipeline, outputs)     # each original output from its slices
+
+Naming (SPEC): a whole argument keeps its name; an element of a nested list/tuple is
+`{name}_{i}_{j}...`. Replicated slices (several slots holding the same region, e.g. the
+logits every tensor-parallel rank gathers) must agree: `check_replicas=True` verifies it
+(a debug mode: it costs a comparison per replica).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from fastpipe import dtypes
+from fastpipe.errors import InputError, RunError
+
+
+def flatten_args(args: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(name: str, v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            out[name] = v
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(f"{name}_{i}", x)
+        elif hasattr(v, "layers") and hasattr(v.layers, "__iter__"):      # a transformers Cache
+            for i, layer in enumerate(v.layers):
+                walk(f"{name}_{i}", [layer.keys, layer.values])
+        else:
+            raise InputError(f"{name}: expected a tensor or a (nested) list/tuple of tensors, found {type(v).__name__}")
+
+    for k, v in args.items():
+        walk(k, v)
+    return out
+
+
+def _slice(t: torch.Tensor, placements) -> torch.Tensor:
+    return t[tuple(slice(a, b) for a, b in placements)]
+
+
+def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    originals = p.metadata.tensors_inputs
+    if not p.metadata.slices_inputs:
+        raise InputError("run_model: the pipeline has no metadata.tensor_slices.inputs; call run() with pipeline tensors")
+    for name in flat:
+        if name not in originals:
+            raise InputError(f"run_model: {name}: expected one of the model's inputs ({', '.join(sorted(originals))}), found an unknown name")
+    out = {}
+    for tensor, s in p.metadata.slices_inputs.items():
+        if s.origin not in flat:
+            raise InputError(f"run_model: {s.origin}: expected a tensor for this model input, found none")
+        o, x = originals[s.origin], flat[s.origin]
+        if tuple(x.shape) != o.shape:
+            raise InputError(f"run_model: {s.origin}.shape: expected {list(o.shape)}, found {list(x.shape)}")
+        if x.dtype != dtypes.to_torch(o.dtype):
+            raise InputError(f"run_model: {s.origin}.dtype: expected {o.dtype}, found {dtypes.TORCH_TO_NAME.get(x.dtype, x.dtype)}")
+        out[tensor] = _slice(x, s.placements).contiguous()
+    return out
+
+
+def assemble_outputs(p, outputs: Mapping[str, torch.Tensor], *, check_replicas: bool = False) -> dict[str, torch.Tensor]:
+    res: dict[str, torch.Tensor] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for tensor, s in p.metadata.slices_outputs.items():
+        o = p.metadata.tensors_outputs[s.origin]
+        part = outputs[tensor].detach().cpu()
+        if s.origin not in res:
+            res[s.origin] = torch.empty(o.shape, dtype=dtypes.to_torch(o.dtype))
+            covered[s.origin] = torch.zeros(o.shape, dtype=torch.bool)
+        region, seen = _slice(res[s.origin], s.placements), _slice(covered[s.origin], s.placements)
+        if seen.any():
+            if check_replicas and not torch.equal(region[seen], part[seen]):
+                diff = (region[seen].double() - part[seen].double()).abs().max().item()
+                raise RunError(f"run_model: {s.origin}: replicated slice \"{tensor}\" disagrees with another slot's copy (max abs diff {diff:.3g})")
+            continue
+        region.copy_(part)
+        seen.fill_(True)
+    for name, c in covered.items():
+        if not bool(c.all()):
+            raise RunError(f"run_model: {name}: expected the output's slices to cover it, found {int((~c).sum())} elements missing")
+    return dict(sorted(res.items(), key=lambda kv: p.metadata.tensors_outputs[kv[0]].idx))
+
+
+def nest(flat: Mapping[str, torch.Tensor], name: str) -> list:
+    """Rebuild `{name}_{i}_{j}` tensors into a nested list (e.g. past_key_values[layer][0|1])."""
+    items: dict[tuple[int, ...], torch.Tensor] = {}
+    for k, v in flat.items():
+        if k.startswith(name + "_"):
+            try:
+                items[tuple(int(x) for x in k[len(name) + 1:].split("_"))] = v
+            except ValueError:
+                continue
+
+    def build(prefix):
+        if prefix in items:
+            return items[prefix]
+        idxs = sorted({key[len(prefix)] for key in items if len(key) > len(prefix) and key[:len(prefix)] == prefix})
+        return [build(prefix + (i,)) for i in idxs]
+
+    return build(()) if items else []

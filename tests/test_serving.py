@@ -1,0 +1,199 @@
+"""Embedding fastpipe in a server: model-level calls, buckets sharing weights, threads, generation, HTTP."""
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.request
+import weakref
+
+import pytest
+import torch
+
+import fastpipe
+from fastpipe.errors import InputError, RunError
+from fastpipe.model_io import assemble_outputs, flatten_args, nest
+from tests.hf_models import hf_reference, make_checkpoint
+
+from fastpipe.build.hf.build import build_hf  # noqa: E402
+from fastpipe.generate import build_generation_set, greedy_generate  # noqa: E402
+from fastpipe.serving import ModelSet  # noqa: E402
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama") / "m"
+    return folder, make_checkpoint("llama", folder, seed=7)
+
+
+def _past(cfg, batch, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    return [[torch.randn(batch, cfg.num_key_value_heads, length, hd, generator=g) for _ in range(2)]
+            for _ in range(cfg.num_hidden_layers)]
+
+
+def test_flatten_and_nest_follow_spec_naming():
+    k, v = torch.zeros(1), torch.ones(1)
+    flat = flatten_args({"input_ids": k, "past_key_values": [[k, v], [v, k]]})
+    assert list(flat) == ["input_ids", "past_key_values_0_0", "past_key_values_0_1", "past_key_values_1_0", "past_key_values_1_1"]
+    assert nest(flat, "past_key_values")[1][0] is v
+    with pytest.raises(InputError, match="expected a tensor or a \\(nested\\) list/tuple of tensors, found str"):
+        flatten_args({"x": "nope"})
+
+
+def test_run_model_equals_hf_with_nested_cache(llama, tmp_path):
+    folder, model = llama
+    sess = fastpipe.load(build_hf(folder, tp=2, pp=2, batch=2, seq_len=3, past_len=5).save(tmp_path / "o"))
+    ids = torch.randint(0, 100, (2, 3), generator=torch.Generator().manual_seed(1))
+    past = _past(model.config, 2, 5, 2)
+    out = sess.run_model(input_ids=ids, past_key_values=past, check_replicas=True)
+    ref = hf_reference(model, "llama", {"input_ids": ids}, [tuple(p) for p in past])
+    assert list(out)[0] == "logits"
+    for k, want in ref.items():
+        torch.testing.assert_close(out[k], want, rtol=1e-4, atol=1e-5)
+
+
+def test_replicated_slices_must_agree_in_debug_mode(llama, tmp_path):
+    folder, _ = llama
+    sess = fastpipe.load(build_hf(folder, tp=2, batch=1, seq_len=4).save(tmp_path / "o"))
+    outs = sess.run({"input_ids": torch.zeros(1, 4, dtype=torch.int64)})
+    outs["logits_rank1"] = outs["logits_rank1"] + 1e-3
+    assemble_outputs(sess.pipeline, outs)                       # not checked: first replica wins
+    with pytest.raises(RunError, match=r'logits: replicated slice "logits_rank1" disagrees with another slot\'s copy'):
+        assemble_outputs(sess.pipeline, outs, check_replicas=True)
+
+
+@pytest.fixture(scope="module")
+def buckets(llama, tmp_path_factory):
+    folder, model = llama
+    out = tmp_path_factory.mktemp("buckets")
+    paths = [build_hf(folder, tp=2, batch=b, seq_len=6).save(out / f"b{b}") for b in (1, 2, 4)]
+    paths += [build_hf(folder, tp=2, batch=b, seq_len=1, past_len=6).save(out / f"d{b}") for b in (1, 4)]
+    return paths, model
+
+
+def test_buckets_share_weights_and_pad(buckets):
+    paths, model = buckets
+    with ModelSet(paths[:3]) as three, ModelSet(paths[:1]) as one:
+        assert three.store.stats()["live_slices"] == one.store.stats()["live_slices"]
+        assert three.weight_bytes() <= 1.1 * one.weight_bytes()
+        ids = torch.randint(0, 100, (3, 6), generator=torch.Generator().manual_seed(3))   # batch 3 -> bucket 4, padded
+        out = three.run_model(input_ids=ids)
+        assert out["logits"].shape == (3, 6, 100)
+        torch.testing.assert_close(out["logits"], hf_reference(model, "llama", {"input_ids": ids}, None)["logits"],
+                                   rtol=1e-4, atol=1e-5)
+        with pytest.raises(InputError, match=r"run_model: expected inputs fitting a bucket"):
+            three.run_model(input_ids=torch.zeros(5, 6, dtype=torch.int64))
+
+
+def test_threads_mixed_requests_equal_single_threaded(buckets):
+    paths, model = buckets
+    requests = []
+    g = torch.Generator().manual_seed(4)
+    for i in range(40):
+        b = 1 + i % 4
+        if i % 3 == 0:   # a decode step over a 6-token cache
+            b = 1 if b < 3 else 4
+            requests.append({"input_ids": torch.randint(0, 100, (b, 1), generator=g),
+                             "past_key_values": _past(model.config, b, 6, i)})
+        else:
+            requests.append({"input_ids": torch.randint(0, 100, (b, 6), generator=g)})
+    with ModelSet(paths) as models:
+        models.warmup()
+        want = [models.run_model(**r) for r in requests]
+        got: dict[tuple[int, int], dict] = {}
+        errors = []
+
+        def worker(t):
+            try:
+                for j in range(20):
+                    k = (t * 7 + j) % len(requests)
+                    got[(t, j)] = (k, models.run_model(**requests[k]))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors and len(got) == 160
+        for k, out in got.values():
+            for name, v in want[k].items():
+                assert torch.equal(out[name], v), (k, name)
+
+
+def test_failing_request_does_not_poison(buckets):
+    paths, _ = buckets
+    with ModelSet(paths[:1]) as models:
+        with pytest.raises(InputError, match=r"run_model: expected inputs fitting a bucket"):
+            models.run_model(input_ids=torch.zeros(1, 5, dtype=torch.int64))
+        with pytest.raises(InputError, match=r"run_model: input_ids.dtype|fitting a bucket"):
+            models.run_model(input_ids=torch.zeros(1, 6, dtype=torch.int32))
+        assert models.run_model(input_ids=torch.zeros(1, 6, dtype=torch.int64))["logits"].shape == (1, 6, 100)
+
+
+def test_close_frees_weights(buckets):
+    paths, _ = buckets
+    models = ModelSet(paths[:2])
+    ref = weakref.ref(next(r for st in models.buckets[0].session.steps for r in st.reads if isinstance(r, torch.Tensor)))
+    assert ref() is not None
+    models.close()
+    gc.collect()
+    assert ref() is None
+    with pytest.raises(InputError, match="the model set is closed"):
+        models.run_model(input_ids=torch.zeros(1, 6, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("family, tp", [("llama", 2), ("gpt2", 1)])
+def test_greedy_generation_equals_hf_generate(tmp_path, family, tp):
+    folder = tmp_path / family
+    model = make_checkpoint(family, folder, seed=11)
+    paths = build_generation_set(folder, tmp_path / "gen", batch=2, prompt_len=6, max_new_tokens=32, tp=tp)
+    ids = torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(5))
+    with ModelSet(paths) as models:
+        ours = greedy_generate(models, ids, 32)
+    hf = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)[:, 6:]
+    assert ours.shape == (2, 32)
+    assert torch.equal(ours, hf)
+
+
+def test_example_server_end_to_end(tmp_path):
+    folder = tmp_path / "gpt2"
+    model = make_checkpoint("gpt2", folder, seed=3)
+    build_generation_set(folder, tmp_path / "gen", batch=2, prompt_len=4, max_new_tokens=4)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / "server.py"), str(tmp_path / "gen"), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("listening on http://127.0.0.1:"), line + proc.stderr.read()
+        url = line.split()[-1]
+        g = torch.Generator().manual_seed(9)
+        prompts = [torch.randint(3, 99, (1 + i % 2, 4), generator=g) for i in range(8)]
+        answers = [None] * len(prompts)
+
+        def ask(i):
+            body = json.dumps({"input_ids": prompts[i].tolist(), "max_new_tokens": 4}).encode()
+            with urllib.request.urlopen(urllib.request.Request(url + "/generate", data=body), timeout=120) as r:
+                answers[i] = json.loads(r.read())["tokens"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        for p, a in zip(prompts, answers):
+            hf = model.generate(p, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)[:, 4:]
+            assert a == hf.tolist()
+        bad = urllib.request.Request(url + "/generate", data=b'{"input_ids": [[1, 2]], "max_new_tokens": 4}')
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(bad, timeout=60)
+        assert e.value.code == 400 and "fitting a bucket" in json.loads(e.value.read())["error"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
