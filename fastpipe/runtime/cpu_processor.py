@@ -11,7 +11,9 @@ micro-batches of the pipeline's batch; every slot runs its steps for micro-batch
 (GPipe fill-drain). Outputs are concatenated back along dim 0.
 
 A failure on any slot stops every thread (no hang) and is raised as RunError naming the
-supertask and slot; the processor keeps no state between calls.
+supertask and slot; Ctrl-C (KeyboardInterrupt in the calling thread) stops every slot at its
+next step boundary before it propagates. No thread outlives a call, and the processor keeps
+no state between calls.
 """
 from __future__ import annotations
 
@@ -40,7 +42,17 @@ class _Run:
         self.arrived: dict[tuple[str, int], set] = {}
         self.group_done: dict[tuple[str, int], bool] = {}
         self.error: BaseException | None = None
+        self.finished = 0                                       # slot threads that have returned
         self.t0 = time.perf_counter()
+
+    def wait_all(self, n: int) -> None:
+        """Wait until n slot threads have returned (short, interruptible waits).
+
+        Not Thread.join(): on Python 3.11 a KeyboardInterrupt inside join() marks the thread
+        stopped while it still runs, and a later join() returns at once."""
+        with self.cond:
+            while self.finished < n:
+                self.cond.wait(0.1)
 
     def fail(self, e: BaseException) -> None:
         with self.cond:
@@ -74,6 +86,13 @@ class ThreadedRunner:
                    for slot in self.program.slots]
         for t in threads:
             t.start()
+        try:
+            run.wait_all(len(threads))
+        except KeyboardInterrupt:
+            # Ctrl-C: stop every slot at its next step boundary, wait for them, then re-raise
+            run.fail(KeyboardInterrupt())
+            run.wait_all(len(threads))
+            raise
         for t in threads:
             t.join()
         if run.error is not None:
@@ -91,6 +110,8 @@ class ThreadedRunner:
             for c in range(run.chunks):
                 env = envs[c]
                 for i, st in enumerate(steps):
+                    if run.error is not None:          # another slot failed (or Ctrl-C): stop here
+                        raise _Abort()
                     for (ws, wi) in st.waits:
                         need = c * len(self.program.steps[ws]) + wi + 1
                         run.wait_until(lambda ws=ws, need=need: run.progress[ws] >= need)
@@ -108,9 +129,13 @@ class ThreadedRunner:
                         run.progress[slot] = c * n + i + 1
                         run.cond.notify_all()
         except _Abort:
-            return
+            pass
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             run.fail(e)
+        finally:
+            with run.cond:
+                run.finished += 1
+                run.cond.notify_all()
 
     def _execute(self, step: Step, env: dict) -> None:
         args = [(env[r] if isinstance(r, str) else r) for r in step.reads]
