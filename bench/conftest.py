@@ -1,0 +1,36 @@
+"""Every benchmark row records the machine (device name, torch/triton/fastpipe versions) and
+percentiles of its timings (p10/p50/p90), in the pytest-benchmark JSON's extra_info."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def record(benchmark, request):
+    """Call after benchmark(...): adds machine info, percentiles and the given fields to the row."""
+    from bench.machine import machine_info
+
+    def _record(**fields):
+        benchmark.extra_info.update(machine_info())
+        benchmark.extra_info.update(fields)
+        stats = getattr(benchmark, "stats", None)
+        data = sorted(stats.stats.data) if stats is not None and getattr(stats, "stats", None) else []
+        if data:
+            pick = lambda q: data[min(len(data) - 1, int(q * (len(data) - 1) + 0.5))]  # noqa: E731
+            benchmark.extra_info.update(p10_s=pick(0.1), p50_s=pick(0.5), p90_s=pick(0.9))
+
+    return _record
+
+
+def pytest_collection_modifyitems(config, items):
+    """Benchmarks marked `cuda` are skipped cleanly (with the reason) where CUDA is unavailable."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,72 @@
+"""Builder-made GPT-2 and Llama pipelines at prefill and decode shapes (tp=2 on one machine) vs the
+unsplit Hugging Face model (eager and torch.compile), in one run."""
+import pytest
+import torch
+
+import fastpipe
+
+transformers = pytest.importorskip("transformers")
+
+from fastpipe.build.hf.build import build_hf  # noqa: E402
+from fastpipe.build.hf.checkpoint import save_random_checkpoint  # noqa: E402
+
+CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(n_layer=4, n_embd=256, n_head=8, vocab_size=8000, n_positions=256),
+    "llama": lambda: transformers.LlamaConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
+                                              num_key_value_heads=4, intermediate_size=1024, vocab_size=8000),
+}
+SHAPES = {"prefill": dict(batch=1, seq_len=64, past_len=None), "decode": dict(batch=4, seq_len=1, past_len=64)}
+VARIANTS = ["unsplit eager", "unsplit compiled", "fastpipe reference", "fastpipe cpu compiled"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench_hf")
+    return {f: (root / f, save_random_checkpoint(CONFIGS[f](), root / f, seed=0).eval()) for f in CONFIGS}
+
+
+def _inputs(model, shape):
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (shape["batch"], shape["seq_len"]), generator=g)
+    past = None
+    if shape["past_len"]:
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        hd = cfg.hidden_size // heads
+        layers = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+        past = [[torch.randn(shape["batch"], kv, shape["past_len"], hd, generator=g) for _ in range(2)] for _ in range(layers)]
+    return ids, past
+
+
+def _hf(model, ids, past):
+    cache = transformers.DynamicCache()
+    for l, (k, v) in enumerate(past or []):
+        cache.update(k, v, l)
+    with torch.no_grad():
+        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_hf(benchmark, record, checkpoints, tmp_path, family, shape, variant):
+    folder, model = checkpoints[family]
+    benchmark.group = f"{family} {shape}"
+    ids, past = _inputs(model, SHAPES[shape])
+    ref = _hf(model, ids, past)
+    if variant.startswith("unsplit"):
+        m = torch.compile(model) if variant == "unsplit compiled" else model
+        out = benchmark(_hf, m, ids, past)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    else:
+        sess = fastpipe.load(build_hf(folder, tp=2, **SHAPES[shape]).save(tmp_path / "o"),
+                             processor="reference" if variant == "fastpipe reference" else "cpu",
+                             compile=variant.endswith("compiled"))
+        if variant.endswith("compiled"):
+            sess.compile()
+        kwargs = {"input_ids": ids} if past is None else {"input_ids": ids, "past_key_values": past}
+        out = benchmark(sess.run_model, **kwargs)
+        rel = (out["logits"] - ref).abs().max() / ref.abs().max()
+        assert rel <= 1e-4
+    record(variant=variant, size=ids.numel())
