@@ -54,14 +54,21 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
     r.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     r.add_argument("--repeat", type=int, default=5, help="timed runs (default 5)")
-    r.add_argument("--processor", choices=("auto", "reference", "cpu", "cuda"), default="auto",
-                   help="auto (default): cuda when every slot is on a GPU, else cpu (a thread per slot)")
+    r.add_argument("--processor", choices=("auto", "reference", "cpu", "cuda", "dist"), default="auto",
+                   help="auto (default): dist under torchrun or with --nproc, else cuda when every slot is on a GPU, "
+                        "else cpu (a thread per slot)")
     r.add_argument("--no-compile", action="store_true", help="run fx supertasks eagerly instead of torch.compile")
     r.add_argument("--compile-errors", choices=("warn", "raise"), default="warn",
                    help="a graph that cannot be compiled: warn and run it eagerly (default), or fail")
     r.add_argument("--no-cuda-graph", action="store_true", help="cuda processor: issue on streams, no graph capture")
     r.add_argument("--chunks", type=int, default=1, help="micro-batches along dim 0 (inputs carry chunks x the batch)")
     r.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the last timed run (a lane per slot)")
+    # -- multi-process runs (fastpipe.runtime.dist_setup, docs/distributed.md)
+    r.add_argument("--nproc", type=int, metavar="N",
+                   help="run N processes on this machine through torch's elastic launcher (like torchrun)")
+    r.add_argument("--slot-ranks", metavar="MAP", help="slot -> rank, e.g. 0=0,1=0,2=1,3=1 (default: contiguous blocks)")
+    r.add_argument("--dist-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds any collective may wait before the run fails (default 120)")
     b = sub.add_parser("build", help="split a local Hugging Face checkpoint folder into a tp x pp pipeline")
     b.add_argument("model", help="folder with config.json and *.safetensors (no network is used)")
     b.add_argument("-o", "--output", required=True, help="output folder: pipeline.json, with the checkpoint files hard-linked in place")
@@ -183,6 +190,9 @@ def _cmd_run(args) -> int:
     from fastpipe.runtime.device_map import parse_device_map_option
     from fastpipe.session import Session
 
+    from fastpipe.runtime import dist_setup      # multi-process: torchrun-launched, --nproc or --processor dist
+    if dist_setup.wants_dist(args):
+        return dist_setup.cli_run(args)
     if args.repeat < 1 or args.warmup < 0:
         raise InputError(f"--repeat/--warmup: expected --repeat >= 1 and --warmup >= 0, found {args.repeat} and {args.warmup}")
     device_map = parse_device_map_option(args.device_map) if args.device_map else None
@@ -275,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     verbose = "--verbose" in argv or "-v" in argv
     try:
         args = _parser().parse_args(argv)
+        args.argv = list(argv)       # --nproc relaunches the same command line
         if getattr(args, "verbose", False):
             import logging
 

@@ -214,10 +214,14 @@ class Session:
         from fastpipe.model_io import assemble_outputs, flatten_args, to_pipeline_inputs
 
         outs = self.run(to_pipeline_inputs(self.pipeline, flatten_args(model_inputs)))
+        if self.processor == "dist" and self._dist_plan.rank != 0:   # dist: outputs live on rank 0
+            return {}
         return assemble_outputs(self.pipeline, outs, check_replicas=check_replicas)
 
     def close(self) -> None:
         """Drop this session's steps and constants (weights nobody else holds are freed)."""
+        if self.processor == "dist" and self._runner is not None:   # let go of its process groups
+            self._runner.close()
         self.steps, self._runner, self._binder = [], None, None
         import gc
 

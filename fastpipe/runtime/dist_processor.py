@@ -1,0 +1,433 @@
+"""The dist processor: a Program run by several processes (torchrun ranks) with torch.distributed.
+
+Every rank loads the pipeline, binds only its own slots (fastpipe.runtime.dist_setup decides
+which) and issues its steps from ONE thread, in the order simulate(program) gives: the
+Program's deadlock-free global completion order, projected onto this rank's slots. The global
+order is the same on every rank, so every rank issues the groups it shares with another rank
+in the same relative order, and blocking collectives cannot deadlock (the earliest unfinished
+step of the global order always has all its participants at it). Slots of one rank therefore
+run one after the other; different ranks run concurrently. With chunks=k each rank runs its
+steps for micro-batch 0, then 1, ... (fill-drain across ranks).
+
+A comm group runs one of three ways on a rank that has a member:
+  local    every member on this rank: the plain-torch reference (fastpipe.comm), as the cpu
+           processor does;
+  native   every member on its own rank: one torch.distributed collective on the group's
+           sub-group (created once, at setup, by every rank): all_reduce, all_gather,
+           reduce_scatter, all_to_all, reduce, gather, broadcast, send/recv;
+  generic  some rank holds several members: each member's input is broadcast from its rank
+           to the sub-group, in member order, and every rank computes its own members'
+           outputs with the reference.
+Numerics of native reductions: f16/bf16/f8 are reduced in float32 and rounded once, as the
+reference does (twice the bytes on the wire); bool reduces as uint8 (sum/max = or, min = and),
+i16 in i32 (wrapping as the reference does). avg is AVG on NCCL, sum then divide on gloo. The
+summation order is the backend's (ring/tree), not the reference's left fold, so float results
+agree within rounding, not bitwise. Data moves of dtypes the backends lack (i16, f8) travel as
+same-width views (f16, u8).
+
+Outputs: every pipeline output is sent to rank 0 (point to point, from the rank of the slot
+that produced it); Session.run returns all outputs on rank 0 and {} on every other rank.
+A failure raises RunError prefixed with the rank (`[rank 1] supertasks["7"] on slot "1": failed:
+...`); a rank blocked in a collective whose peer died gets an error from the backend (a closed
+connection), or at the latest the process group's timeout.
+"""
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from fastpipe import dtypes
+from fastpipe.errors import FastpipeError, InputError, RunError
+from fastpipe.runtime.dist_setup import RankPlan, init_process_group, make_subgroups
+from fastpipe.runtime.steps import Step, where
+
+_WIRE = {torch.int16: torch.float16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+for _n in ("float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _n):
+        _WIRE[getattr(torch, _n)] = torch.uint8
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous same-width view in a dtype every backend moves (bytes unchanged)."""
+    t = t.contiguous()
+    return t.view(_WIRE[t.dtype]) if t.dtype in _WIRE else t
+
+
+def _unwire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.view(dtype) if t.dtype != dtype else t
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """A fresh buffer to reduce in: narrow floats in f32, bool as u8, i16 in i32 (see module doc)."""
+    if x.dtype.is_floating_point and x.dtype.itemsize < 4:
+        return x.to(torch.float32)
+    if x.dtype == torch.bool:
+        return x.to(torch.uint8)
+    if x.dtype == torch.int16:
+        return x.to(torch.int32)
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _reduce_op(op: str, dtype: torch.dtype, nccl: bool):
+    R = dist.ReduceOp
+    if dtype == torch.bool:
+        return R.MIN if op == "min" else R.MAX
+    return {"sum": R.SUM, "avg": R.AVG if nccl else R.SUM, "max": R.MAX, "min": R.MIN}[op]
+
+
+@dataclass
+class _Group:
+    name: str
+    kind: str
+    params: dict
+    members: tuple[str, ...]             # supertask ids, device_idx order
+    slots: tuple[str, ...]
+    ranks: tuple[int, ...]               # rank of each member
+    mode: str                            # "local" | "native" | "generic"
+    pg: object                           # process group (None for local)
+    device: torch.device                 # where its tensors travel: cuda:LOCAL_RANK (NCCL) or cpu (gloo)
+    reads: tuple[tuple, ...]             # per member: names or bound constants
+    writes: tuple[tuple[str, ...], ...]  # per member
+    step: Step                           # the reference step (local and generic modes)
+    out_meta: tuple = ()                 # per member: ((shape, dtype) of each output)
+
+    def gr(self, i: int) -> int:
+        """Rank of member i inside the sub-group (new_group orders by global rank)."""
+        return sorted(set(self.ranks)).index(self.ranks[i])
+
+    def at(self, k: int) -> int:
+        """The member whose rank is the sub-group's k-th."""
+        return self.ranks.index(sorted(set(self.ranks))[k])
+
+    def where(self) -> str:
+        return f"group \"{self.name}\" ({self.kind}, supertasks {', '.join(self.members)})"
+
+
+class DistRunner:
+    """Executes a Session's Program on this rank. Built by Session(processor="dist")."""
+
+    def __init__(self, session, plan: RankPlan, *, timeout_s: float | None = None):
+        from fastpipe.lower import simulate
+
+        self.session, self.plan, self.rank = session, plan, plan.rank
+        p, program = session.pipeline, session.program
+        self.pipeline, self.program = p, program
+        self._owns_world = init_process_group(plan, timeout_s)
+        local = set(plan.local_slots)
+        self.local = local
+        self.order = [(s, i) for s, i in simulate(program) if s in local]
+        self.compute = session._compute_steps()
+        comm_steps = session._comm_steps()
+        rank_sets, infos = [], []
+        for g in program.groups:
+            cg = session.checked.groups[g]
+            slots = tuple(p.supertasks[m].device for m in cg.members)
+            ranks = tuple(plan.slot_ranks[s] for s in slots)
+            rank_sets.append(tuple(sorted(set(ranks))))
+            infos.append((cg, slots, ranks))
+        pgs = make_subgroups(rank_sets, timeout_s)     # every rank, every set, the same order
+        self._subgroups = [pg for pg in pgs.values() if pg not in (dist.group.WORLD, dist.GroupMember.NON_GROUP_MEMBER)]
+        self._closed = False
+        _LIVE.add(self)
+        self.groups: dict[str, _Group] = {}
+        for cg, slots, ranks in infos:
+            if self.rank not in ranks:
+                continue
+            step = comm_steps[cg.name]
+            reads, k = [], 0
+            for m in cg.members:
+                n = len(p.supertasks[m].inputs)
+                reads.append(tuple(step.reads[k:k + n]))
+                k += n
+            rset = tuple(sorted(set(ranks)))
+            mode = "local" if len(rset) == 1 else ("native" if len(rset) == len(ranks) else "generic")
+            cuda = all(plan.slot_types[s] == "cuda" for s in slots)
+            dev = torch.device("cuda", plan.local_rank) if cuda else torch.device("cpu")
+            self.groups[cg.name] = _Group(cg.name, cg.kind, dict(cg.params), tuple(cg.members), slots, ranks, mode,
+                                          pgs.get(rset), dev, tuple(reads),
+                                          tuple(tuple(p.supertasks[m].outputs) for m in cg.members), step,
+                                          tuple(tuple((p.tensors[t].shape, dtypes.to_torch(p.tensors[t].dtype))
+                                                      for t in p.supertasks[m].outputs) for m in cg.members))
+        self.outputs = tuple(dict.fromkeys(p.output_names))
+        self.keep = set(self.outputs)
+        self.out_rank = {}
+        for n in self.outputs:
+            prod = [s for s in session.checked.flow.producers.get(n, []) if p.supertasks[s].device is not None]
+            self.out_rank[n] = plan.slot_ranks[p.supertasks[prod[0]].device] if prod else 0
+        self.out_device = torch.device("cuda", plan.local_rank) if plan.backend == "nccl" else torch.device("cpu")
+        consumers = session.checked.flow.consumers
+        self.needed_inputs = tuple(
+            n for n in p.input_names
+            if any(p.supertasks[c].device in local for c in consumers.get(n, []))
+            or (self.rank == 0 and self.out_rank.get(n, -1) == 0 and n in self.outputs))
+
+    def close(self) -> None:
+        """Let go of this runner's process groups (idempotent): its sub-groups are destroyed, and the
+        default group too when this runner created it. Runs at exit for every live runner: a process
+        group still referenced when the interpreter shuts down can abort the process (gloo, once its
+        peers have exited)."""
+        for g in self.groups.values():
+            g.pg = None
+        subgroups, self._subgroups = self._subgroups, []
+        if dist.is_available() and dist.is_initialized():
+            if self._owns_world:
+                dist.destroy_process_group()
+            else:
+                for pg in subgroups:
+                    try:
+                        dist.destroy_process_group(pg)
+                    except (RuntimeError, ValueError):   # already gone with its default group
+                        pass
+        self._owns_world, self._closed = False, True
+        _LIVE.discard(self)
+
+    # ------------------------------------------------------------------ Session.run on this rank
+    def session_run(self, inputs: Mapping[str, torch.Tensor], *, chunks: int = 1, trace=None) -> dict:
+        """Session.run for processor "dist": call it on EVERY rank (same chunks; trace given on every
+        rank or on none). `inputs` needs only this rank's (`needed_inputs`); rank 0 gets every
+        output, other ranks {}."""
+        if self._closed:
+            raise RunError(f"[rank {self.rank}] processor \"dist\": expected an open session, found one closed "
+                           "(DistRunner.close / dist_processor.shutdown let go of its process groups)")
+        s = self.session
+        if s.compile_report is None and s._binder.compile:     # the same decision on every rank
+            s.compile()
+        self.check_inputs(inputs, chunks)
+        if chunks == 1:
+            parts = [dict(inputs)]
+        else:
+            from fastpipe.runtime.cpu_processor import split_chunks
+
+            parts = split_chunks(inputs, chunks, {n: self.pipeline.tensors[n].shape[0] for n in inputs})
+        events: list | None = [] if trace is not None else None
+        results = self.run(parts, events)
+        if trace is not None:
+            self._write_trace(trace, events)
+        if self.rank != 0:
+            return {}
+        if chunks == 1:
+            return results[0]
+        return {n: torch.cat([r[n] for r in results], dim=0) for n in self.pipeline.output_names}
+
+    def check_inputs(self, inputs: Mapping[str, torch.Tensor], chunks: int = 1) -> None:
+        from fastpipe.runtime.inputs import check_inputs
+
+        p = self.pipeline
+        for name in inputs:
+            if name not in p.input_names:
+                raise InputError(f"inputs[\"{name}\"]: expected one of the pipeline inputs ({', '.join(p.input_names) or 'none'}), "
+                                 "found an unknown name")
+        for name in self.needed_inputs:
+            if name not in inputs:
+                raise InputError(f"inputs[\"{name}\"]: expected a tensor for this pipeline input (rank {self.rank} "
+                                 "runs a supertask that reads it), found none")
+        present = tuple(n for n in p.input_names if n in inputs)
+        view = {n: (inputs[n][: p.tensors[n].shape[0]] if chunks > 1 and isinstance(inputs[n], torch.Tensor) and inputs[n].dim()
+                    else inputs[n]) for n in present}
+        check_inputs(SimpleNamespace(input_names=present, tensors=p.tensors), view, self.session._input_devices)
+
+    # ------------------------------------------------------------------ one call
+    def run(self, parts: list[dict], events: list | None = None) -> list[dict]:
+        envs = [dict(x) for x in parts]
+        t0 = time.perf_counter()
+        for c, env in enumerate(envs):
+            done: set[str] = set()
+            for slot, i in self.order:
+                st = self.program.steps[slot][i]
+                t = time.perf_counter()
+                if st.kind == "compute":
+                    self._execute(self.compute[st.supertask], env)
+                elif st.group not in done:
+                    done.add(st.group)
+                    self._group(self.groups[st.group], env)
+                if events is not None:
+                    events.append((slot, st.label, t - t0, time.perf_counter() - t0, c))
+                for name in st.frees:
+                    if name not in self.keep:
+                        env.pop(name, None)
+        return self._gather_outputs(envs)
+
+    def _fail(self, what: str, e: BaseException, hint: str = "") -> RunError:
+        msg = " ".join(str(e).split()) or type(e).__name__
+        return RunError(f"[rank {self.rank}] {what}: failed: {type(e).__name__}: {msg}{hint}")
+
+    def _execute(self, step: Step, env: dict) -> None:
+        try:
+            args = [(env[r] if isinstance(r, str) else r) for r in step.reads]
+            args = [a if a.device == d else a.to(d) for a, d in zip(args, step.devices)]
+            with torch.inference_mode(), torch.profiler.record_function(step.label):
+                outs = step.fn(args)
+        except FastpipeError as e:
+            raise type(e)(f"[rank {self.rank}] {e}") from e
+        except Exception as e:  # noqa: BLE001 - reported with the step that failed
+            raise self._fail(where(step), e) from e
+        if len(outs) != len(step.writes):
+            raise RunError(f"[rank {self.rank}] {where(step)}: expected {len(step.writes)} outputs, found {len(outs)}")
+        env.update(zip(step.writes, outs))
+
+    def _group(self, g: _Group, env: dict) -> None:
+        if g.mode == "local":
+            return self._execute(g.step, env)
+        try:
+            with torch.inference_mode(), torch.profiler.record_function(f"fp:group:{g.name}"):
+                if g.mode == "native":
+                    (me,) = [i for i, r in enumerate(g.ranks) if r == self.rank]
+                    x = self._value(g.reads[me][0], env) if g.reads[me] else None
+                    outs = {me: _native(g, me, x, self.plan.backend != "gloo" and g.device.type == "cuda")}
+                else:
+                    outs = self._generic(g, env)
+        except FastpipeError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(g.where(), e, " (if another rank failed first, its error names the cause)") from e
+        for i, ys in outs.items():
+            dev = self.plan.slot_devices[g.slots[i]]
+            env.update((n, y if y.device == dev else y.to(dev)) for n, y in zip(g.writes[i], ys))
+
+    def _value(self, r, env) -> torch.Tensor:
+        return env[r] if isinstance(r, str) else r
+
+    def _generic(self, g: _Group, env: dict) -> dict[int, list]:
+        """Members sharing ranks: broadcast each member's input from its rank, then the reference."""
+        p = self.pipeline
+        xs = []
+        for i, m in enumerate(g.members):
+            for j, name in enumerate(p.supertasks[m].inputs):
+                info = p.tensors[name]
+                dtype = dtypes.to_torch(info.dtype)
+                if g.ranks[i] == self.rank:
+                    buf = _wire(self._value(g.reads[i][j], env).to(g.device))
+                else:
+                    buf = _wire(torch.empty(info.shape, dtype=dtype, device=g.device))
+                dist.broadcast(buf, src=g.ranks[i], group=g.pg)
+                xs.append(_unwire(buf, dtype))
+        mine = [i for i, r in enumerate(g.ranks) if r == self.rank]
+        if not any(g.writes[i] for i in mine):
+            return {}
+        outs = g.step.fn(xs)
+        flat, k = {}, 0
+        for i, w in enumerate(g.writes):
+            flat[i] = list(outs[k:k + len(w)])
+            k += len(w)
+        return {i: flat[i] for i in mine}
+
+    # ------------------------------------------------------------------ outputs and traces
+    def _gather_outputs(self, envs: list[dict]) -> list[dict]:
+        p = self.pipeline
+        results = [dict() for _ in envs]
+        reqs, bufs = [], []
+        try:
+            for c, env in enumerate(envs):
+                for n in self.outputs:
+                    src = self.out_rank[n]
+                    if src == self.rank == 0:
+                        results[c][n] = env[n]
+                    elif src == self.rank:
+                        reqs.append(dist.isend(_wire(env[n].to(self.out_device)), dst=0))
+                    elif self.rank == 0:
+                        dtype = dtypes.to_torch(p.tensors[n].dtype)
+                        buf = _wire(torch.empty(p.tensors[n].shape, dtype=dtype, device=self.out_device))
+                        reqs.append(dist.irecv(buf, src=src))
+                        bufs.append((c, n, buf, dtype))
+            for r in reqs:
+                r.wait()
+        except Exception as e:  # noqa: BLE001
+            raise self._fail("sending outputs to rank 0", e, " (if another rank failed first, its error names the cause)") from e
+        for c, n, buf, dtype in bufs:
+            results[c][n] = _unwire(buf, dtype)
+        return results
+
+    def _write_trace(self, path, events: list) -> None:
+        """Rank 0 writes one Chrome trace with a lane per slot of every rank (clocks aligned by wall time)."""
+        from fastpipe.runtime.cpu_processor import write_chrome_trace
+
+        mine = (time.time() - time.perf_counter(), events)
+        got = [None] * self.plan.world if self.rank == 0 else None
+        dist.gather_object(mine, got, dst=0)
+        if self.rank != 0:
+            return
+        base = got[0][0]
+        merged = [(s, lab, a + off - base, b + off - base, c) for off, evs in got for (s, lab, a, b, c) in evs]
+        write_chrome_trace(path, merged, tuple(self.pipeline.devices))
+
+
+_LIVE: "weakref.WeakSet[DistRunner]" = weakref.WeakSet()
+
+
+@atexit.register
+def shutdown() -> None:
+    """Close every live dist runner (see DistRunner.close); also registered to run at exit."""
+    for r in list(_LIVE):
+        r.close()
+
+
+def _native(g: _Group, me: int, x: torch.Tensor | None, nccl: bool) -> list[torch.Tensor]:
+    """This member's outputs of group g, every member on its own rank: one torch.distributed call."""
+    kind, prm, pg, n = g.kind, g.params, g.pg, len(g.members)
+    if x is not None:
+        x = x.to(g.device)
+    if kind == "p2p":
+        if me == 0:
+            dist.send(_wire(x), dst=g.ranks[1], group=pg)
+            return []
+        return [_recv_like(g, 1, lambda b: dist.recv(b, src=g.ranks[0], group=pg))]
+    if kind == "broadcast":
+        src = prm["src"]
+        if me == src:
+            buf = _wire(x.clone(memory_format=torch.contiguous_format))
+            dist.broadcast(buf, src=g.ranks[src], group=pg)
+            return [_unwire(buf, x.dtype)]
+        return [_recv_like(g, me, lambda b: dist.broadcast(b, src=g.ranks[src], group=pg))]
+    if kind in ("all_reduce", "reduce", "reduce_scatter"):
+        op = prm["reduce_op"]
+        buf = _acc(x)
+        rop = _reduce_op(op, x.dtype, nccl)
+        if kind == "all_reduce":
+            dist.all_reduce(buf, op=rop, group=pg)
+        elif kind == "reduce":
+            dist.reduce(buf, dst=g.ranks[prm["dst"]], op=rop, group=pg)
+            if me != prm["dst"]:
+                return []
+        else:
+            dim = prm["dim"]
+            chunks = [c.contiguous() for c in buf.split(buf.shape[dim] // n, dim=dim)]
+            buf = torch.empty_like(chunks[me])
+            dist.reduce_scatter(buf, [chunks[g.at(k)] for k in range(n)], op=rop, group=pg)
+        if op == "avg" and not nccl:
+            buf = buf / n
+        return [buf.to(x.dtype)]
+    if kind == "all_gather":
+        xw = _wire(x)
+        got = [torch.empty_like(xw) for _ in range(n)]
+        dist.all_gather(got, xw, group=pg)
+        return [torch.cat([_unwire(got[g.gr(i)], x.dtype) for i in range(n)], dim=prm["dim"])]
+    if kind == "gather":
+        xw, dst = _wire(x), prm["dst"]
+        got = [torch.empty_like(xw) for _ in range(n)] if me == dst else None
+        dist.gather(xw, got, dst=g.ranks[dst], group=pg)
+        if me != dst:
+            return []
+        return [torch.cat([_unwire(got[g.gr(i)], x.dtype) for i in range(n)], dim=prm["dim"])]
+    if kind == "all_to_all":
+        xw = _wire(x)
+        src_dim, dst_dim = prm["src_dim"], prm["dst_dim"]
+        chunks = [c.contiguous() for c in xw.split(xw.shape[src_dim] // n, dim=src_dim)]
+        got = [torch.empty_like(chunks[0]) for _ in range(n)]
+        dist.all_to_all(got, [chunks[g.at(k)] for k in range(n)], group=pg)
+        return [torch.cat([_unwire(got[g.gr(j)], x.dtype) for j in range(n)], dim=dst_dim)]
+    raise AssertionError(kind)  # pragma: no cover - the validator admits no other kind
+
+
+def _recv_like(g: _Group, member: int, fill) -> torch.Tensor:
+    """Receive `member`'s single output (its declared shape and dtype) into a fresh buffer."""
+    shape, dtype = g.out_meta[member][0]
+    buf = _wire(torch.empty(shape, dtype=dtype, device=g.device))
+    fill(buf)
+    return _unwire(buf, dtype)
