@@ -7,7 +7,9 @@ from safetensors.torch import load_file
 import fastpipe
 from tests.examples import EXAMPLES, GRAPHS, unsplit_module
 
-VARIANTS = ["unsplit eager", "unsplit compiled", "fastpipe reference", "fastpipe cpu eager", "fastpipe cpu compiled"]
+VARIANTS = ["unsplit eager", "unsplit compiled", "fastpipe reference", "fastpipe cpu eager", "fastpipe cpu compiled",
+            pytest.param("fastpipe cuda streams", marks=pytest.mark.cuda),
+            pytest.param("fastpipe cuda replay", marks=pytest.mark.cuda)]
 
 
 def _model_inputs(name, pipeline_inputs):
@@ -34,6 +36,21 @@ def test_example(benchmark, record, name, variant):
         with torch.no_grad():
             out = benchmark(fn, *args)
         assert torch.isfinite(out).all()
+    elif variant.startswith("fastpipe cuda"):
+        dm = {s: "cuda:0" for s in fastpipe.format.read_pipeline(GRAPHS / name / "pipeline.json").devices}
+        sess = fastpipe.load(GRAPHS / name / "pipeline.json", device_map=dm, processor="cuda", compile=True,
+                             cuda_graph=variant.endswith("replay"))
+        sess.compile()
+        gins = {k: v.cuda() for k, v in ins.items()}
+
+        def step():
+            out = sess.run(gins)
+            torch.cuda.synchronize()
+            return out
+
+        out = benchmark(step)
+        for k, v in expected.items():
+            torch.testing.assert_close(out[k].cpu(), v, rtol=1e-4, atol=1e-5)
     else:
         proc = "reference" if variant == "fastpipe reference" else "cpu"
         sess = fastpipe.load(GRAPHS / name / "pipeline.json", processor=proc, compile=variant.endswith("compiled"))
