@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 import fastpipe
+from fastpipe.format import read_pipeline
 from tests.examples import EXAMPLES, GRAPHS, unsplit_module
 
 VARIANTS = ["unsplit eager", "unsplit compiled", "fastpipe reference", "fastpipe cpu eager", "fastpipe cpu compiled",
@@ -14,7 +15,7 @@ VARIANTS = ["unsplit eager", "unsplit compiled", "fastpipe reference", "fastpipe
 
 def _model_inputs(name, pipeline_inputs):
     """The unsplit module's arguments, rebuilt from the pipeline inputs via metadata."""
-    p = fastpipe.format.read_pipeline(GRAPHS / name / "pipeline.json")
+    p = read_pipeline(GRAPHS / name / "pipeline.json")
     origin = {}
     for t, s in p.metadata.slices_inputs.items():
         o = p.metadata.tensors_inputs[s.origin]
@@ -37,7 +38,7 @@ def test_example(benchmark, record, name, variant):
             out = benchmark(fn, *args)
         assert torch.isfinite(out).all()
     elif variant.startswith("fastpipe cuda"):
-        dm = {s: "cuda:0" for s in fastpipe.format.read_pipeline(GRAPHS / name / "pipeline.json").devices}
+        dm = {s: "cuda:0" for s in read_pipeline(GRAPHS / name / "pipeline.json").devices}
         sess = fastpipe.load(GRAPHS / name / "pipeline.json", device_map=dm, processor="cuda", compile=True,
                              cuda_graph=variant.endswith("replay"))
         sess.compile()
