@@ -193,6 +193,8 @@ def _cmd_run(args) -> int:
     from fastpipe.runtime import dist_setup      # multi-process: torchrun-launched, --nproc or --processor dist
     if dist_setup.wants_dist(args):
         return dist_setup.cli_run(args)
+    if not 0 <= args.seed < 2**63:
+        raise InputError(f"--seed: expected 0 <= seed < 2**63, found {args.seed}")
     if args.repeat < 1 or args.warmup < 0:
         raise InputError(f"--repeat/--warmup: expected --repeat >= 1 and --warmup >= 0, found {args.repeat} and {args.warmup}")
     device_map = parse_device_map_option(args.device_map) if args.device_map else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from fastpipe import dtypes
+from fastpipe.errors import InputError
 from fastpipe.format.model import Pipeline
 
 INT_HIGH = 8
@@ -18,12 +19,18 @@ def random_inputs(p: Pipeline, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name in p.input_names:
-        info = p.tensors[name]
-        dt = dtypes.to_torch(info.dtype)
-        if dt.is_floating_point:
-            out[name] = torch.randn(info.shape, generator=g, dtype=torch.float32).to(dt)
-        elif dt == torch.bool:
-            out[name] = torch.randint(0, 2, info.shape, generator=g).bool()
-        else:
-            out[name] = torch.randint(0, INT_HIGH, info.shape, generator=g, dtype=torch.int64).to(dt)
+        try:
+            out[name] = _random(p.tensors[name], g)
+        except (RuntimeError, MemoryError) as e:
+            raise InputError(f"inputs[\"{name}\"]: cannot make a random tensor of shape {list(p.tensors[name].shape)} "
+                             f"({' '.join(str(e).split())[:120]}); pass --inputs") from None
     return out
+
+
+def _random(info, g: torch.Generator) -> torch.Tensor:
+    dt = dtypes.to_torch(info.dtype)
+    if dt.is_floating_point:
+        return torch.randn(info.shape, generator=g, dtype=torch.float32).to(dt)
+    if dt == torch.bool:
+        return torch.randint(0, 2, info.shape, generator=g).bool()
+    return torch.randint(0, INT_HIGH, info.shape, generator=g, dtype=torch.int64).to(dt)

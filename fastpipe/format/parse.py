@@ -19,6 +19,7 @@ TOP_REQUIRED = ("name", "devices", "tensors", "supertasks")
 TOP_OPTIONAL = ("metadata", "version", "param_files", "blobs", "device_constraints")
 PARAM_FORMATS = ("safetensors", "torch.save", "torch.export")
 KIND_SPELLINGS = {k: k for k in ALL_KINDS} | {"FX": "fx", "DFG": "dfg"}
+MAX_TENSOR_BYTES = 2**48      # 256 TiB: beyond any device; larger sizes overflow allocator arithmetic
 
 
 def parse_pipeline(doc: Any, *, source_dir: Path | None = None) -> Pipeline:
@@ -54,7 +55,7 @@ def parse_pipeline(doc: Any, *, source_dir: Path | None = None) -> Pipeline:
 
 
 def _dtype(value: Any, path: str) -> str:
-    if value not in dtypes.NAME_TO_TORCH:
+    if not isinstance(value, str) or value not in dtypes.NAME_TO_TORCH:
         raise fields.bad(path, f"one of {' '.join(dtypes.NAME_TO_TORCH)}", value)
     return value
 
@@ -62,7 +63,13 @@ def _dtype(value: Any, path: str) -> str:
 def _tensor(value: Any, path: str) -> TensorInfo:
     t = fields.obj(value, path, required=("shape", "dtype"), optional=("value",))
     pv = _param_value(t["value"], f"{path}.value") if "value" in t and t["value"] is not None else None
-    return TensorInfo(shape=fields.shape(t["shape"], f"{path}.shape"), dtype=_dtype(t["dtype"], f"{path}.dtype"), value=pv)
+    shape, dtype = fields.shape(t["shape"], f"{path}.shape"), _dtype(t["dtype"], f"{path}.dtype")
+    nbytes = dtypes.to_torch(dtype).itemsize
+    for s in shape:
+        nbytes *= s
+    if nbytes > MAX_TENSOR_BYTES:
+        raise FormatError(f"{path}.shape: expected a tensor of at most 2**48 bytes, found {list(shape)} {dtype} ({nbytes} bytes)")
+    return TensorInfo(shape=shape, dtype=dtype, value=pv)
 
 
 def _param_file(value: Any, path: str) -> ParamFile:
@@ -105,7 +112,7 @@ def _param_value(value: Any, path: str) -> ParamValue:
 def _supertask(value: Any, path: str) -> SuperTask:
     raw_kind = fields.obj(value, path, required=("kind",), optional=(
         "inputs", "outputs", "device", "data", "data_blob", "group", "device_idx", "metadata"))["kind"]
-    if raw_kind not in KIND_SPELLINGS:
+    if not isinstance(raw_kind, str) or raw_kind not in KIND_SPELLINGS:
         raise fields.bad(f"{path}.kind", "one of " + ", ".join(ALL_KINDS) + " (or FX)", raw_kind)
     kind = KIND_SPELLINGS[raw_kind]
     if kind in COMPUTE_KINDS:

@@ -23,7 +23,12 @@ def loads(text: str | bytes, *, source: str = "pipeline.json") -> Any:
         raise FormatError(f"{source}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     except ValueError as e:  # NaN / Infinity / -Infinity, or bad bytes
         raise FormatError(f"{source}: invalid JSON: {e}") from None
-    return _to_plain(raw, "")
+    except RecursionError:
+        raise FormatError(f"{source}: invalid JSON: nested too deeply") from None
+    try:
+        return _to_plain(raw, "")
+    except RecursionError:
+        raise FormatError(f"{source}: invalid JSON: nested too deeply") from None
 
 
 # objects whose keys are names chosen by the producer (rendered ["key"]); other keys are fields (.key)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import contextlib
+import logging
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -61,13 +63,26 @@ class FakeRunError(Exception):
         self.cause = cause
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """torch's fake_tensor logger prints a traceback for an op that fails on fake inputs; the
+    failure is ours to report (one line, with the payload path), so keep that logger quiet."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    old = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = old
+
+
 def run_fake(
     gm: torch.fx.GraphModule, inputs: Sequence[Spec], constant_device: torch.device | None = None
 ) -> tuple[Any, dict[torch.fx.Node, Any]]:
     """(graph output, {node: fake value}); raises FakeRunError."""
     interp = _FakeInterpreter(gm, constant_device)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=False):
+        with _quiet_fake_tensor_log(), FakeTensorMode(allow_non_fake_inputs=False):
             fakes = [_fake(s) for s in inputs]
             out = interp.run(*fakes)
     except Exception as exc:

@@ -48,6 +48,29 @@ def check_params(p: Pipeline, opts: LoadOptions, store) -> None:
         store.check(ref, t.shape, dtypes.to_torch(t.dtype), where=where, trust_export=opts.trust_export_archives)
 
 
+def check_payload_constants(p: Pipeline, graphs: dict, opts: LoadOptions, store) -> None:
+    """Constants a payload keeps in param files (metadata.constant_saved_info): confined and
+    header-checked like the pipeline's own constants (load binds them the same way)."""
+    from pathlib import Path
+
+    from fastpipe.validate.sources import payload_text
+    from fastpipe.weights import ParamRef, resolve_param_path
+
+    seen = set()
+    for sid, g in graphs.items():
+        if id(g) in seen or not g.external_constants:
+            continue
+        seen.add(id(g))
+        _, where = payload_text(p, sid, opts)
+        for attr, (raw, fmt, saved) in g.external_constants.items():
+            w = f"{where}: metadata.constant_saved_info[\"{attr}\"]"
+            path = resolve_param_path(p.source_dir or Path.cwd(), raw, where=w, allow_outside=opts.allow_outside_paths)
+            meta = g.constant_metas.get(attr)
+            if meta is not None:
+                store.check(ParamRef(path, fmt, saved, None), tuple(meta.shape), meta.dtype, where=w,
+                            trust_export=opts.trust_export_archives)
+
+
 def validate(p: Pipeline, opts: LoadOptions | None = None, store=None) -> Checked:
     from fastpipe.validate.payloads import decode_all
     from fastpipe.weights import default_store
@@ -56,6 +79,8 @@ def validate(p: Pipeline, opts: LoadOptions | None = None, store=None) -> Checke
     checked = validate_structure(p)
     graphs = decode_all(p, opts) if opts.check_payloads else None
     check_params(p, opts, store or default_store())
+    if graphs:
+        check_payload_constants(p, graphs, opts, store or default_store())
     return Checked(checked.pipeline, checked.flow, checked.groups, checked.order, graphs)
 
 

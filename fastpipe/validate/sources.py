@@ -33,6 +33,9 @@ def payload_text(p: Pipeline, sid: str, opts: LoadOptions) -> tuple[str, str]:
     if text is not None:
         return text, where
     file = resolve_param_path(_base_dir(p), f"{st.data_blob}.fx", where=where, allow_outside=opts.allow_outside_paths)
+    if file.exists() and not file.is_file():      # a FIFO or device would block or stream forever
+        raise PayloadError(f"{where}: expected the payload file \"{st.data_blob}.fx\" to be a regular file, found "
+                           f"{'a folder' if file.is_dir() else 'a special file (FIFO, device or socket)'}")
     try:
         return file.read_text(encoding="ascii"), where
     except FileNotFoundError:
