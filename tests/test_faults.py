@@ -14,7 +14,7 @@ import torch
 import fastpipe
 from fastpipe.assemble import Assembler
 from fastpipe.errors import RunError
-from fastpipe.payload import allow_namespace
+from fastpipe.payload import allow_namespace, disallow_namespace
 from tests.examples import ROOT
 
 # a registered test op: fails on demand (x[0] < 0 -> ValueError, x[0] > 1e6 -> out of memory), else x + 1
@@ -35,7 +35,12 @@ def _(x):
     return torch.empty_like(x)
 
 
-allow_namespace("fastpipe_faults")
+@pytest.fixture(autouse=True, scope="module")
+def _allow_test_namespace():
+    """Payloads may call the test op only while these tests run (the allow-list is process-wide)."""
+    allow_namespace("fastpipe_faults")
+    yield
+    disallow_namespace("fastpipe_faults")
 
 
 def chain(tmp_path, n=4, slots=2):
@@ -99,8 +104,9 @@ def test_cli_ctrl_c_exits_130_without_traceback_or_output(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"x0": torch.full((4,), 100.0)}, str(tmp_path / "in.safetensors"))
-    code = ("import sys, torch; sys.path.insert(0, %r); import tests.test_faults; from fastpipe.cli import main; "
-            "sys.exit(main(sys.argv[1:]))") % str(ROOT)
+    code = ("import sys, torch; sys.path.insert(0, %r); import tests.test_faults; "
+            "from fastpipe.payload import allow_namespace; allow_namespace('fastpipe_faults'); "
+            "from fastpipe.cli import main; sys.exit(main(sys.argv[1:]))") % str(ROOT)
     proc = subprocess.Popen([sys.executable, "-c", code, "run", str(path), "--inputs", str(tmp_path / "in.safetensors"),
                              "--outputs", str(tmp_path / "out.safetensors"), "--no-compile", "--processor", "cpu",
                              "--repeat", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -10,12 +10,12 @@ from fastpipe.payload.decode import decode_payload
 from fastpipe.payload.decoded import DecodedGraph, TensorMeta
 from fastpipe.payload.encode import encode_payload
 from fastpipe.payload.fake import propagate_metas
-from fastpipe.payload.targets import allow_namespace, allowed_namespaces
+from fastpipe.payload.targets import allow_namespace, disallow_namespace, allowed_namespaces
 
 __all__ = [
     "DecodedGraph",
     "TensorMeta",
-    "allow_namespace",
+    "allow_namespace", "disallow_namespace",
     "allowed_namespaces",
     "bind_external",
     "decode_payload",

@@ -38,6 +38,12 @@ def allow_namespace(ns: str) -> None:
         _extra_namespaces.add(ns)
 
 
+def disallow_namespace(ns: str) -> None:
+    """Undo allow_namespace (the default namespaces stay allowed)."""
+    with _lock:
+        _extra_namespaces.discard(ns)
+
+
 def allowed_namespaces() -> frozenset[str]:
     with _lock:
         return DEFAULT_NAMESPACES | frozenset(_extra_namespaces)
