@@ -182,9 +182,6 @@ def _processor(args, p, device_map) -> str:
 def _cmd_run(args) -> int:
     import torch
 
-    from fastpipe.atomic import atomic_path
-    from fastpipe.compare import compare
-    from fastpipe.errors import CheckMismatch
     from fastpipe.format import read_pipeline
     from fastpipe.random_inputs import random_inputs
     from fastpipe.runtime.device_map import parse_device_map_option
@@ -229,6 +226,16 @@ def _cmd_run(args) -> int:
     ms = sorted(x * 1e3 for x in times)
     print(f"{p.name}: {sess.processor} processor; loaded in {load_s * 1e3:.1f} ms{compile_msg}; {args.repeat} runs: "
           f"median {statistics.median(ms):.3f} ms, min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")
+    return report_results(args, outs, expected)
+
+
+def report_results(args, outs, expected) -> int:
+    """The end of `fastpipe run` (single process, or rank 0 of a distributed run): the trace note,
+    outputs written atomically, and the --check comparison (CheckMismatch on a mismatch)."""
+    from fastpipe.atomic import atomic_path
+    from fastpipe.compare import compare
+    from fastpipe.errors import CheckMismatch
+
     if args.trace:
         print(f"wrote trace {args.trace}")
     if args.outputs:
@@ -240,9 +247,8 @@ def _cmd_run(args) -> int:
     if expected is not None:
         rows = compare(outs, expected, args.rtol, args.atol)
         for r in rows:
-            status = "ok" if r.ok else "MISMATCH"
             extra = f" ({r.why})" if r.why else ""
-            print(f"  {r.name}: max abs {r.max_abs:.3g}, max rel {r.max_rel:.3g}: {status}{extra}")
+            print(f"  {r.name}: max abs {r.max_abs:.3g}, max rel {r.max_rel:.3g}: {'ok' if r.ok else 'MISMATCH'}{extra}")
         bad = [r.name for r in rows if not r.ok]
         if bad:
             raise CheckMismatch(f"--check: expected outputs to match {args.check}, found {len(bad)} mismatching ({', '.join(bad)})")

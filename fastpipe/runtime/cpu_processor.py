@@ -25,7 +25,7 @@ import torch
 
 from fastpipe.errors import FastpipeError, RunError
 from fastpipe.lower import Program
-from fastpipe.runtime.steps import Step, where
+from fastpipe.runtime.steps import Step, run_step
 
 
 class _Abort(Exception):
@@ -138,19 +138,8 @@ class ThreadedRunner:
                 run.cond.notify_all()
 
     def _execute(self, step: Step, env: dict) -> None:
-        args = [(env[r] if isinstance(r, str) else r) for r in step.reads]
-        args = [a if a.device == d else a.to(d) for a, d in zip(args, step.devices)]
-        try:
-            with torch.inference_mode(), torch.profiler.record_function(step.label):
-                outs = step.fn(args)
-        except FastpipeError:
-            raise
-        except Exception as e:  # noqa: BLE001 - reported with the step that failed
-            msg = " ".join(str(e).split()) or type(e).__name__
-            raise RunError(f"{where(step)}: failed: {type(e).__name__}: {msg}") from e
-        if len(outs) != len(step.writes):
-            raise RunError(f"{where(step)}: expected {len(step.writes)} outputs, found {len(outs)}")
-        env.update(zip(step.writes, outs))
+        with torch.inference_mode():
+            run_step(step, env)
 
     def _rendezvous(self, run: _Run, group: str, chunk: int, slot: str, env: dict) -> None:
         key = (group, chunk)

@@ -357,12 +357,7 @@ def _rank_main(args, rank: int) -> int:
     import statistics
     import time
 
-    import torch.distributed as dist
-
-    from fastpipe.atomic import atomic_path
     from fastpipe.cli import _check_writable, _options, _read_tensors
-    from fastpipe.compare import compare
-    from fastpipe.errors import CheckMismatch
     from fastpipe.format import read_pipeline
     from fastpipe.random_inputs import random_inputs
     from fastpipe.runtime.device_map import parse_device_map_option
@@ -413,23 +408,10 @@ def _rank_main(args, rank: int) -> int:
     ms = sorted(x * 1e3 for x in times)
     print(f"{p.name}: dist processor, {plan.world} ranks ({plan.backend}); loaded in {load_s * 1e3:.1f} ms{compile_msg}; "
           f"{args.repeat} runs: median {statistics.median(ms):.3f} ms, min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")
-    if args.trace:
-        print(f"wrote trace {args.trace}")
-    if args.outputs:
-        from safetensors.torch import save_file
+    from fastpipe.cli import report_results
 
-        with atomic_path(args.outputs) as tmp:
-            save_file({k: v.detach().cpu().contiguous() for k, v in outs.items()}, str(tmp))
-        print(f"wrote {len(outs)} outputs to {args.outputs}")
-    if expected is not None:
-        rows = compare(outs, expected, args.rtol, args.atol)
-        for r in rows:
-            extra = f" ({r.why})" if r.why else ""
-            print(f"  {r.name}: max abs {r.max_abs:.3g}, max rel {r.max_rel:.3g}: {'ok' if r.ok else 'MISMATCH'}{extra}")
-        bad = [r.name for r in rows if not r.ok]
-        if bad:
-            raise CheckMismatch(f"--check: expected outputs to match {args.check}, "
-                                f"found {len(bad)} mismatching ({', '.join(bad)})")
-        print(f"check: {len(rows)} outputs match {args.check}")
-    runner.close()
-    return 0
+    try:
+        return report_results(args, outs, expected)
+    finally:
+        runner.close()
+

@@ -11,8 +11,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from fastpipe.errors import FastpipeError, RunError
-from fastpipe.runtime.steps import Step, where
+from fastpipe.runtime.steps import Step, run_step
 
 
 class ReferenceRunner:
@@ -33,19 +32,8 @@ class ReferenceRunner:
             t0: float = 0.0) -> dict[str, torch.Tensor]:
         env: dict[str, torch.Tensor] = dict(inputs)
         for step, free in zip(self.steps, self._free_after):
-            args = [(env[r] if isinstance(r, str) else r) for r in step.reads]
-            args = [a if a.device == d else a.to(d) for a, d in zip(args, step.devices)]
             start = time.perf_counter() if events is not None else 0.0
-            try:
-                outs = step.fn(args)
-            except FastpipeError:
-                raise
-            except Exception as e:  # noqa: BLE001 - reported with the step that failed
-                msg = " ".join(str(e).split()) or type(e).__name__
-                raise RunError(f"{where(step)}: failed: {type(e).__name__}: {msg}") from e
-            if len(outs) != len(step.writes):
-                raise RunError(f"{where(step)}: expected {len(step.writes)} outputs, found {len(outs)}")
-            env.update(zip(step.writes, outs))
+            run_step(step, env)
             if events is not None:
                 end = time.perf_counter()
                 for slot in step.slots:

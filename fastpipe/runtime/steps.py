@@ -64,3 +64,24 @@ def where(step: Step) -> str:
     if len(step.supertasks) == 1:
         return f"{key_path('supertasks', step.supertasks[0])} on slot \"{step.slots[0]}\""
     return f"{step.label[3:]} (supertasks {', '.join(step.supertasks)})"
+
+
+def run_step(step: Step, env: dict) -> None:
+    """Run one step on the tensors in `env` (moving reads to their devices); write its outputs into env.
+
+    A failure is raised as RunError naming the supertask(s) and slot(s)."""
+    from fastpipe.errors import FastpipeError, RunError
+
+    args = [(env[r] if isinstance(r, str) else r) for r in step.reads]
+    args = [a if a.device == d else a.to(d) for a, d in zip(args, step.devices)]
+    try:
+        with torch.profiler.record_function(step.label):
+            outs = step.fn(args)
+    except FastpipeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported with the step that failed
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise RunError(f"{where(step)}: failed: {type(e).__name__}: {msg}") from e
+    if len(outs) != len(step.writes):
+        raise RunError(f"{where(step)}: expected {len(step.writes)} outputs, found {len(outs)}")
+    env.update(zip(step.writes, outs))
