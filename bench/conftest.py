@@ -1,12 +1,6 @@
 """Every benchmark row records the machine (device name, torch/triton/fastpipe versions) and
 percentiles of its timings (p10/p50/p90), in the pytest-benchmark JSON's extra_info."""
-import os
-
 import pytest
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
@@ -25,12 +19,3 @@ def record(benchmark, request):
 
     return _record
 
-
-def pytest_collection_modifyitems(config, items):
-    """Benchmarks marked `cuda` are skipped cleanly (with the reason) where CUDA is unavailable."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on a GPU machine)")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)

@@ -1,3 +1,4 @@
+"""Shared by tests/ and bench/: the Triton interpreter on CPU-only machines, and clean skips of `cuda` tests."""
 import os
 
 import torch
@@ -11,7 +12,7 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` are skipped cleanly (with the reason) where CUDA is unavailable."""
+    """Tests and benchmarks marked `cuda` are skipped cleanly (with the reason) where CUDA is unavailable."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m cuda` on a GPU machine)")
