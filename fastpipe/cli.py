@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--past-len", type=int, default=None,
                    help="decoders: omit for no KV cache; 0 for a prefill that outputs the cache; P for a decode step over P cached tokens")
     b.add_argument("--sequence-parallel", action="store_true", help="reduce_scatter/all_gather on the sequence dim instead of all_reduce")
+    b.add_argument("--style", choices=("fastpipe", "producer", "producer-2024.1"), default="fastpipe",
+                   help="fastpipe: its own compact spelling (default); producer: what furiosa-llm (2024.2.0 and later) "
+                        "writes and its Pipeline.load reads (every field, null where absent, payloads in <blob-id>.fx "
+                        "files); producer-2024.1: the same with torch 2.1 payloads, for furiosa-llm 2024.1.x")
     b.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return ap
 
@@ -277,7 +281,7 @@ def _cmd_build(args) -> int:
     except ValueError as e:
         raise InputError(f"build: {' '.join(str(e).split())}") from None
     try:
-        path = built.save(args.output)
+        path = built.save(args.output, style=args.style)
     except OSError as e:
         raise InputError(f"-o/--output: {' '.join(str(e).split())}") from None
     n = len(built.doc["supertasks"]) - 2

@@ -19,6 +19,13 @@ NAME_TO_TORCH: dict[str, torch.dtype] = {
 }
 TORCH_TO_NAME: dict[torch.dtype, str] = {v: k for k, v in NAME_TO_TORCH.items()}
 
+# Other spellings producers write for the same dtypes (furiosa-llm 2026.x: `f8e4m3fn`). A file's
+# spelling is read as the canonical name above and kept for writing (Pipeline.dtype_spellings).
+ALIASES: dict[str, str] = {"f8e4m3fn": "f8"}
+# The producer's spelling of each canonical name (its get_pipeline_dtype), where it differs.
+PRODUCER_SPELLING: dict[str, str] = {"f8": "f8e4m3fn"}
+SPELLINGS: tuple[str, ...] = tuple(NAME_TO_TORCH) + tuple(ALIASES)
+
 # safetensors header dtype strings
 SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
     "F64": torch.float64,

@@ -36,6 +36,10 @@ def constant_bytes_per_slot(p: Pipeline) -> dict[str, int]:
     return dict(per)
 
 
+def _nested(v) -> str:
+    return "[" + ", ".join(_nested(x) for x in v) + "]" if isinstance(v, tuple) else str(v)
+
+
 def summary_text(p: Pipeline) -> str:
     lines = [f"pipeline {p.name!r}" + (f" (format version {p.version})" if p.version else "")]
     const = constant_bytes_per_slot(p)
@@ -49,6 +53,8 @@ def summary_text(p: Pipeline) -> str:
     lines.append("supertasks by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
     groups = {st.group for st in p.supertasks.values() if st.is_comm}
     lines.append(f"comm groups: {len(groups)}")
+    for c in p.device_constraints or ():
+        lines.append(f"device constraint: {c.kind} over " + ("{} (no slots written)" if c.devices is None else _nested(c.devices)))
     n_const = sum(1 for t in p.tensors.values() if t.is_constant)
     lines.append(f"tensors: {len(p.tensors)} ({n_const} constants, {_human(sum(_nbytes(t.shape, t.dtype) for t in p.tensors.values() if t.is_constant))})")
     ins = ", ".join(f"{n} {p.tensors[n].dtype}{list(p.tensors[n].shape)}" for n in p.input_names)

@@ -135,7 +135,7 @@ def test_invalid_json_names_line_and_column():
     (lambda d: d["tensors"]["x"].update(shape=[4, True]), r'^tensors\["x"\]\.shape\[1\]: expected a non-negative integer, found true$'),
     (lambda d: d["tensors"]["x"].update(dtype="float32"), r'^tensors\["x"\]\.dtype: expected one of f64 f32 .*, found "float32"$'),
     (lambda d: d["supertasks"]["1"].update(kind="conv"), r'^supertasks\["1"\]\.kind: expected one of'),
-    (lambda d: d["supertasks"]["1"].pop("data"), r'expected exactly one of "data" or "data_blob" for a fx supertask, found neither'),
+    (lambda d: d["supertasks"]["1"].pop("data"), r'expected exactly one of "data" or "data_blob" for a fx supertask \(the other absent or null\), found neither'),
     (lambda d: d["supertasks"]["1"].update(data_blob="b"), r'found both'),
     (lambda d: d["supertasks"]["3"].pop("group"), r'missing required field "group" for a all_reduce supertask'),
     (lambda d: d["supertasks"]["3"].update(device_idx=-1), r'^supertasks\["3"\]\.device_idx: expected a non-negative integer'),
@@ -176,3 +176,98 @@ def test_write_pipeline_is_atomic_and_round_trips(tmp_path):
     write_pipeline(p, target)
     assert read_pipeline(target) == p
     assert sorted(x.name for x in tmp_path.iterdir()) == ["out.json"]   # no temporary left behind
+
+
+# ----------------------------------------------------------------------------- what furiosa-llm writes
+def test_null_optional_fields_read_as_absent_and_are_written_back():
+    """The producer writes dataclasses.asdict: data and data_blob both present, one null."""
+    doc = tp_doc()
+    doc["blobs"] = {"b": "AAAA"}
+    doc["supertasks"]["1"] = dict(doc["supertasks"]["1"], data=None, data_blob="b")
+    doc["supertasks"]["2"] = dict(doc["supertasks"]["2"], data_blob=None)
+    p = load(doc)
+    assert (p.supertasks["1"].data, p.supertasks["1"].data_blob) == (None, "b")
+    assert (p.supertasks["2"].data, p.supertasks["2"].data_blob) == ("AAAA", None)
+    assert json.loads(dumps_pipeline(p))["supertasks"] == doc["supertasks"]
+
+
+def test_both_data_fields_non_null_is_refused():
+    doc = tp_doc()
+    doc["blobs"] = {"b": "AAAA"}
+    doc["supertasks"]["1"]["data_blob"] = "b"
+    assert err(doc) == ('supertasks["1"]: expected exactly one of "data" or "data_blob" for a fx supertask '
+                        '(the other absent or null), found both')
+
+
+def test_null_comm_group_is_a_group_of_its_own():
+    doc = tp_doc()
+    doc["supertasks"]["3"]["group"] = None
+    p = load(doc)
+    st = p.supertasks["3"]
+    assert st.group_is_null and st.group == "<null:3>" and p.supertasks["4"].group == "g"
+    assert json.loads(dumps_pipeline(p))["supertasks"]["3"]["group"] is None
+
+
+@pytest.mark.parametrize("kind", ["edf", "EDF", "dfg"])
+def test_npu_graph_kinds(kind):
+    doc = tp_doc()
+    doc["supertasks"]["1"]["kind"] = kind
+    st = load(doc).supertasks["1"]
+    assert st.kind == kind.lower() and st.is_compute
+
+
+@pytest.mark.parametrize("text, idx, pe", [("rngd:0:4", 0, "x4"), ("rngd:3:1", 3, "x1"), ("rngd:1:8", 1, "x8")])
+def test_rngd_devices(text, idx, pe):
+    doc = tp_doc()
+    doc["devices"]["0"] = text
+    d = load(doc).devices["0"]
+    assert (d.kind, d.idx, d.pe, d.spelling) == ("npu", idx, pe, text)
+
+
+@pytest.mark.parametrize("bad", ["rngd:0:3", "rngd:0", "rngd:x:4", "rngd:0:0-3"])
+def test_bad_rngd_devices(bad):
+    doc = tp_doc()
+    doc["devices"]["0"] = bad
+    assert err(doc).startswith('devices["0"]: expected a device like')
+
+
+def test_f8e4m3fn_is_f8_and_keeps_its_spelling():
+    doc = tp_doc()
+    for name in ("x", "p_0", "p_1", "y_0", "y_1"):
+        doc["tensors"][name]["dtype"] = "f8e4m3fn"
+    doc["metadata"]["tensors"]["inputs"]["x"]["dtype"] = "f8e4m3fn"
+    doc["metadata"]["tensor_slices"]["inputs"]["x"]["dtype"] = "f8e4m3fn"
+    p = load(doc)
+    assert p.tensors["x"].dtype == "f8" and p.metadata.slices_inputs["x"].dtype == "f8"
+    back = json.loads(dumps_pipeline(p))
+    assert back["tensors"]["x"]["dtype"] == "f8e4m3fn" and back["metadata"]["tensors"]["inputs"]["x"]["dtype"] == "f8e4m3fn"
+
+
+def test_device_constraints_are_read_kept_and_shown(tmp_path, capsys):
+    from fastpipe.summary import summary_text
+
+    doc = tp_doc()
+    doc["device_constraints"] = [{"kind": "ring", "devices": [["0", "1"]]}, {"kind": "pair", "devices": {}}]
+    p = load(doc)
+    assert [(c.kind, c.devices) for c in p.device_constraints] == [("ring", (("0", "1"),)), ("pair", None)]
+    assert json.loads(dumps_pipeline(p))["device_constraints"] == doc["device_constraints"]
+    text = summary_text(p)
+    assert "device constraint: ring over [[0, 1]]" in text and "device constraint: pair over {}" in text
+
+
+@pytest.mark.parametrize("bad, expected", [
+    ([{"kind": "ring"}], r'^device_constraints\[0\]: missing required field "devices"$'),
+    ([{"kind": "", "devices": []}], r"^device_constraints\[0\]\.kind: expected a non-empty string"),
+    ([{"kind": "ring", "devices": "0,1"}], r'^device_constraints\[0\]\.devices: expected a nested array of slot ids'),
+    ([{"kind": "ring", "devices": [[0.5]]}], r'^device_constraints\[0\]\.devices\[0\]\[0\]: expected a slot id'),
+])
+def test_bad_device_constraints(bad, expected):
+    doc = tp_doc()
+    doc["device_constraints"] = bad
+    with pytest.raises(FormatError, match=expected):
+        load(doc)
+
+
+def test_next_gen_format_is_named():
+    with pytest.raises(FormatError, match=r"^stages: expected the supertask format .*experimental stage-based format"):
+        load({"name": "n", "inputs": {}, "outputs": {}, "stages": [], "version": "0.1.0"})

@@ -337,6 +337,42 @@ def test_side_file_that_is_a_pickle(tw, tmp_path):
         load_refused(tw, folder, doc)
 
 
+@pytest.mark.parametrize("payload", ["os.system", "exec", "open"])
+def test_torch21_payload_constant_with_reduce_payload(tw, tmp_path, payload):
+    """furiosa-llm 2024.1 payloads keep constants as base64 torch.save files: read with
+    weights_only=True, a pickled object in one is refused, never run."""
+    folder, doc = p2p_folder(tmp_path)
+    evil = {"os.system": Reducer(os.system, shell("T21")),
+            "exec": Reducer(builtins.exec, f"import os; os.system({shell('T21EXEC')!r})"),
+            "open": Reducer(open, str(folder / f"{MARK}_T21OPEN"), "w")}[payload]
+    buf = io.BytesIO()
+    torch.save({"c": evil}, buf)
+    g = _payload(doc)
+    g.pop("metadata")
+    g["constants"] = {"c": base64.b64encode(buf.getvalue()).decode()}
+    doc["supertasks"]["1"]["data"] = MB.pack(g)
+    assert "weights_only=True" in str(load_refused(tw, folder, doc))
+
+
+def test_torch21_payload_with_a_constant_loads_under_tripwires(tw, tmp_path):
+    """The torch 2.1 spelling fastpipe writes for furiosa-llm 2024.1.x reads back and runs, its
+    torch.save constant read without unpickling anything but a tensor."""
+    from fastpipe.payload import encode_payload
+    from fastpipe.payload.torch21 import to_torch21
+
+    folder, doc = p2p_folder(tmp_path)
+    one = torch.ones(4)
+
+    def mm_times_one(x, w):
+        return (x @ w.t()) * one          # `one`: an embedded constant
+
+    w = MB._weights()["w"][:4]            # the slice the pipeline's constant "w" holds
+    gm = torch.fx.experimental.proxy_tensor.make_fx(mm_times_one)(X, w)
+    doc["supertasks"]["1"]["data"] = to_torch21(encode_payload(gm, (X, w)))
+    assert "constants" in MB.unpack(doc["supertasks"]["1"]["data"])
+    load_runs(tw, folder, doc)
+
+
 # ----------------------------------------------------------------------------- param files
 def test_safetensors_header_with_code_like_strings_is_data(tw, tmp_path):
     folder, doc = p2p_folder(tmp_path)
@@ -415,6 +451,7 @@ def test_export_archive_needs_trust(tw, tmp_path, export_archive):
 
 # ----------------------------------------------------------------------------- the corpus, under tripwires
 CODE_CASES = ["payload_builtins_exec", "payload_os_system", "payload_aten_save", "payload_as_expr", "payload_pickle_blob",
+              "payload_legacy_constant_pickle",
               "torch_save_pickled_object", "torch_export_untrusted", "param_symlink_escape", "param_absolute"]
 
 

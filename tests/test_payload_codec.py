@@ -5,6 +5,7 @@ import base64
 import copy
 import json
 import math
+import operator
 
 import pytest
 import safetensors.torch
@@ -355,6 +356,38 @@ def test_torch_deserializer_reads_our_payload():
     inputs = _producer_inputs(3)
     for got, want in zip(theirs(*inputs), _producer_fn(*inputs)):
         torch.testing.assert_close(got, want)
+
+
+def test_node_names_follow_the_deserializer_when_outputs_are_unused():
+    """Unused outputs of multi-output ops (dead getitems removed, as the builder's graphs have
+    them) are still created by torch's deserializer: node_names must name them, in its order."""
+    serde = pytest.importorskip("torch._export.serde.serialize")
+    from torch._export.serde.schema import Graph
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental import symbolic_shapes
+
+    def f(x, w, b):
+        y = torch.ops.aten.native_layer_norm.default(x, [8], w, b, 1e-5)[0]
+        a, _c = torch.split(y, 4, dim=-1)
+        return a * 2
+
+    inputs = (torch.randn(2, 8), torch.randn(8), torch.randn(8))
+    gm = make_fx(f)(*inputs)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    doc = json.loads(base64.b64decode(encode_payload(gm, inputs)))
+    names = doc.pop("metadata")["node_names"]
+    d = serde.GraphModuleDeserializer()
+    d.shape_env = symbolic_shapes.ShapeEnv(assume_static_by_default=True)
+    d.fake_tensor_mode = FakeTensorMode(shape_env=d.shape_env, allow_non_fake_inputs=True)
+    d.symbol_name_to_symbol, d.symbol_name_to_range, d.unbacked_symbols = {}, {}, set()
+    d.deserialize_graph(serde._dict_to_dataclass(Graph, doc))
+    nodes = list(d.graph.nodes)
+    assert len(nodes) == len(names)                      # the producer's deserialize_gm zips these
+    assert any("_unused_" in n for n in names)
+    for node, name in zip(nodes, names):
+        if node.op == "call_function" and node.target is operator.getitem:
+            assert name.startswith("getitem") or "_unused_" in name, (node, name)
 
 
 def test_encoded_json_is_the_producer_shape():

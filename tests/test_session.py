@@ -142,3 +142,46 @@ def test_constants_shared_between_sessions():
     ca = {id(r) for s in a.steps for r in s.reads if isinstance(r, torch.Tensor)}
     cb = {id(r) for s in b.steps for r in s.reads if isinstance(r, torch.Tensor)}
     assert ca and ca == cb
+
+
+def test_edf_runs_through_its_handler_with_the_side_file_bytes(tmp_path):
+    """furiosa-llm saves an edf blob as <blob-id>.edf (its CompiledGraph's bytes), null in the JSON."""
+    from fastpipe.errors import PayloadError
+
+    f = copy_example("two_stage_skip", tmp_path)
+    doc = json.loads(f.read_text())
+    st = next(s for s in doc["supertasks"].values() if s["kind"] == "FX" and s["device"] == "1")
+    st.update(kind="edf", data=None, data_blob="npu1")
+    doc.setdefault("blobs", {})["npu1"] = None
+    (f.parent / "npu1.edf").write_bytes(b"\x00EDF\xff")
+    f.write_text(json.dumps(doc))
+    with pytest.raises(PayloadError, match=r'found edf \(an NPU compiler graph; register a handler with '
+                                           r'fastpipe\.register_compute_handler\("edf", \.\.\.\)\)$'):
+        fastpipe.load(f)
+    seen = []
+
+    def handler(sid, supertask, payload):
+        seen.append(payload)
+        return lambda xs: [torch.full((4, 32), 2.0)]
+
+    fastpipe.register_compute_handler("edf", handler)
+    try:
+        out = fastpipe.load(f).run({"x": torch.zeros(4, 32), "scale": torch.ones(4, 1)})
+        assert seen == [b"\x00EDF\xff"] and torch.equal(out["y"], torch.full((4, 32), 2.0))
+    finally:
+        fastpipe.unregister_compute_handler("edf")
+
+
+def test_null_group_collective_is_a_group_of_one(tmp_path):
+    """`"group": null` (the producer's `group: str | None`): the supertask alone; all_reduce of one
+    participant is its input."""
+    from tests.docs import comm_doc
+
+    doc = comm_doc("all_reduce", 1, (2, 3), [(2, 3)], {"reduce_op": 0})
+    doc["supertasks"]["c0"]["group"] = None
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(doc))
+    x = torch.randn(2, 3)
+    for processor in ("reference", "cpu"):
+        out = fastpipe.load(f, device_map=None, processor=processor, compile=False).run({"x_0": x})
+        assert torch.equal(out["y_0"], x)

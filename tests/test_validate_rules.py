@@ -345,3 +345,44 @@ def test_input_slice_on_a_consuming_slot():
     d = tp_doc()
     d["metadata"]["tensor_slices"]["inputs"]["x"]["device"] = "1"   # x is consumed on 0 and 1: both fine
     check(d)
+
+
+# ---------------------------------------------------------------- null comm groups (the producer's `group: str | None`)
+def test_null_group_is_a_singleton_group():
+    doc = comm_doc("all_gather", 2, (2, 3), [(2, 3), (2, 3)], {"dim": 0})
+    for sid, r in (("c0", 0), ("c1", 0)):
+        doc["supertasks"][sid]["group"] = None
+        doc["supertasks"][sid]["device_idx"] = r
+    c = check(doc)
+    assert {g: cg.members for g, cg in c.groups.items()} == {"<null:c0>": ("c0",), "<null:c1>": ("c1",)}
+
+
+def test_null_group_needs_device_idx_0():
+    doc = comm_doc("all_reduce", 2, (2, 3), [(2, 3), (2, 3)], {"reduce_op": "sum"})
+    doc["supertasks"]["c1"]["group"] = None
+    refused(doc, r'^supertasks\["c1"\]\.device_idx: expected 0 <= device_idx < 1 \(the size of group "<null:c1>"\), found 1$')
+
+
+def test_null_group_name_taken_by_a_real_group():
+    doc = comm_doc("all_reduce", 2, (2, 3), [(2, 3), (2, 3)], {"reduce_op": "sum"})
+    doc["supertasks"]["c0"]["group"] = None
+    doc["supertasks"]["c1"]["group"] = "<null:c0>"
+    refused(doc, r'^supertasks\["c1"\]\.group: expected a name other than "<null:c0>" .*found it$')
+
+
+def test_null_group_on_recv_is_refused():
+    doc = comm_doc("all_reduce", 2, (2, 3), [(2, 3), (2, 3)], {"reduce_op": "sum"})
+    doc["supertasks"]["c0"].update(kind="send", outputs=[], metadata={})
+    doc["supertasks"]["c1"].update(kind="recv", inputs=[], group=None, device_idx=0, metadata={})
+    doc["supertasks"]["in"]["outputs"] = ["x_0"]
+    doc["supertasks"]["out"]["inputs"] = ["y_1"]
+    del doc["tensors"]["x_1"], doc["tensors"]["y_0"]
+    refused(doc, r'^supertasks\["c1"\]\.group: expected a group name shared by a recv and its send, found null$')
+
+
+def test_device_constraints_name_declared_slots():
+    doc = tp_doc()
+    doc["device_constraints"] = [{"kind": "ring", "devices": [["0", "1"]]}, {"kind": "x", "devices": {}}]
+    check(doc)
+    doc["device_constraints"][0]["devices"][0][1] = "9"
+    refused(doc, r'^device_constraints\[0\]\.devices\[0\]\[1\]: expected a declared slot \(0, 1\), found "9"$')

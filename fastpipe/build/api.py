@@ -32,8 +32,13 @@ class Built:
     def pipeline(self):
         return parse_pipeline(self.doc)
 
-    def save(self, out_dir: str | os.PathLike) -> Path:
-        """Write pipeline.json (+ weights, or links to the checkpoint files) into out_dir."""
+    def save(self, out_dir: str | os.PathLike, *, style: str = "fastpipe") -> Path:
+        """Write pipeline.json (+ weights, or links to the checkpoint files) into out_dir.
+        style="producer" (or "producer-2024.1") writes furiosa-llm's spelling (fastpipe.format.write_pipeline)."""
+        from fastpipe.format import STYLES
+
+        if style not in STYLES:
+            raise ValueError(f"style: expected one of {', '.join(STYLES)}, found {style!r}")
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         if self.weights:
@@ -45,7 +50,12 @@ class Built:
                 save_file({k: v.detach().contiguous() for k, v in self.weights.items()}, str(tmp))
         for name, target in self.links.items():
             _link_in_place(out / name, Path(target))
-        write_text(out / "pipeline.json", json.dumps(self.doc, indent=1) + "\n")
+        if style != "fastpipe":
+            from fastpipe.format import write_pipeline
+
+            write_pipeline(parse_pipeline(self.doc, source_dir=out.resolve()), out / "pipeline.json", style=style)
+        else:
+            write_text(out / "pipeline.json", json.dumps(self.doc, indent=1) + "\n")
         return out / "pipeline.json"
 
 

@@ -7,9 +7,11 @@ from fastpipe.errors import FormatError
 from fastpipe.format import fields
 from fastpipe.format.model import Device
 
-KINDS = {"cpu": "cpu", "npu": "npu", "cuda": "cuda", "gpu": "cuda"}
-# cpu, cpu:N, npu:N, npu:N:P, npu:N:P-Q, npu:N:*, cuda:N, gpu:N
-_ONE = re.compile(r"^(?P<kind>cpu|npu|cuda|gpu)(?::(?P<idx>\d+)(?::(?P<pe>\d+(?:-\d+)?|\*))?)?$")
+KINDS = {"cpu": "cpu", "npu": "npu", "cuda": "cuda", "gpu": "cuda", "rngd": "npu"}
+# cpu, cpu:N, npu:N, npu:N:P, npu:N:P-Q, npu:N:*, cuda:N, gpu:N; rngd:N:K (furiosa-torch's
+# spelling of chip N with K fused processing elements, furiosa-llm 2025.3+)
+_ONE = re.compile(r"^(?:(?P<kind>cpu|npu|cuda|gpu)(?::(?P<idx>\d+)(?::(?P<pe>\d+(?:-\d+)?|\*))?)?"
+                  r"|(?P<rngd>rngd):(?P<ridx>\d+):(?P<npes>1|2|4|8))$")
 
 
 def parse_device(value, path: str) -> Device:
@@ -27,8 +29,10 @@ def _parse_string(text: str, path: str) -> Device:
     for part in text.split(","):
         m = _ONE.match(part.strip())
         if not m:
-            raise FormatError(f"{path}: expected a device like cpu, cpu:N, npu:N, npu:N:P, npu:N:P-Q, npu:N:*, cuda:N "
-                              f"(comma-joined for several chips), found {fields.show(text)}")
+            raise FormatError(f"{path}: expected a device like cpu, cpu:N, npu:N, npu:N:P, npu:N:P-Q, npu:N:*, rngd:N:K, "
+                              f"cuda:N (comma-joined for several chips), found {fields.show(text)}")
+        if m["rngd"]:
+            m = {"kind": "rngd", "idx": m["ridx"], "pe": f"x{m['npes']}"}
         k = KINDS[m["kind"]]
         if kind is not None and k != kind:
             raise FormatError(f"{path}: expected chips of one kind, found {fields.show(text)}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-COMPUTE_KINDS = ("fx", "dfg")
+COMPUTE_KINDS = ("fx", "dfg", "edf")   # dfg, edf: NPU compiler graphs (run only through a registered handler)
 COMM_KINDS = ("send", "recv", "reduce", "all_gather", "all_reduce", "reduce_scatter",
               "all_to_all", "broadcast", "gather")
 IO_KINDS = ("input", "output")
@@ -37,7 +37,7 @@ class Device:
 
     kind: str                      # cpu | npu | cuda   (gpu is read as cuda)
     idx: int                       # device index in the machine (first chip for multi-chip strings)
-    pe: str | None = None          # npu processing elements: "3", "0-3", "*"
+    pe: str | None = None          # npu processing elements: "3", "0-3", "*"; "xK" for rngd:N:K (K fused PEs)
     chips: tuple[int, ...] = ()    # all chips of a comma-joined string
     spelling: str | None = None    # original string form, or None for the object form
 
@@ -81,6 +81,7 @@ class SuperTask:
     device_idx: int | None = None
     metadata: Mapping[str, Any] | None = None   # comm metadata as written
     kind_spelling: str | None = None            # e.g. "FX" when the file said so
+    null_fields: tuple[str, ...] = ()           # optional fields the file wrote as null (kept on write)
 
     @property
     def is_comm(self) -> bool:
@@ -89,6 +90,18 @@ class SuperTask:
     @property
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS
+
+    @property
+    def group_is_null(self) -> bool:
+        """A comm supertask written with `"group": null`: a group of its own (one participant);
+        ``group`` then holds a name made from the supertask id (see NULL_GROUP_PREFIX)."""
+        return "group" in self.null_fields
+
+
+# The name given to the group of a comm supertask whose group is null: "<null:ID>". Such a
+# supertask is the only member of its group (fastpipe's reading of the producer's
+# `group: str | None`; docs/format.md).
+NULL_GROUP_PREFIX = "<null:"
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,16 @@ class Metadata:
 
 
 @dataclass(frozen=True)
+class DeviceConstraint:
+    """A `device_constraints` entry: a constraint of some kind over slots, kept and shown, not
+    enforced. ``devices`` is the nested array of slot ids as written, or None when the file has
+    `{}` there (what the producer's `dataclasses.asdict` makes of its TopologyDeviceConstraint)."""
+
+    kind: str
+    devices: Any = None         # nested tuples of slot-id strings, or None
+
+
+@dataclass(frozen=True)
 class Pipeline:
     name: str
     devices: Mapping[str, Device]
@@ -124,8 +147,9 @@ class Pipeline:
     version: str | None = None
     param_files: Mapping[str, ParamFile] | None = None
     blobs: Mapping[str, str | None] | None = None
-    device_constraints: tuple[Any, ...] | None = None
+    device_constraints: tuple[DeviceConstraint, ...] | None = None
     source_dir: Path | None = field(default=None, compare=False)  # folder of the file it was read from
+    dtype_spellings: Mapping[str, str] = field(default_factory=dict)  # canonical dtype -> alias the file used
 
     def input_supertask(self) -> tuple[str, SuperTask]:
         return next((i, t) for i, t in self.supertasks.items() if t.kind == "input")

@@ -1,8 +1,9 @@
 """Decode a compute-supertask payload into a torch.fx GraphModule.
 
 Own reader of torch.export's serialized ``Graph`` JSON (any schema from torch
-2.1 on, with or without ``NamedArgument.kind`` / ``Node.name``) plus the
-producer's ``metadata`` key. Nothing from the payload is executed: targets
+2.1 on, with or without ``NamedArgument.kind`` / ``Node.name``; torch 2.1's
+``dataclasses.asdict`` spelling is first rewritten by :mod:`fastpipe.payload.legacy`)
+plus the producer's ``metadata`` key (absent in furiosa-llm 2024.1.x payloads). Nothing from the payload is executed: targets
 come from an allow-list, values are plain JSON data, constants are read from
 a safetensors blob.
 """
@@ -22,6 +23,7 @@ from fastpipe.payload.arguments import decode_argument, place
 from fastpipe.payload.compat import make_graph_module
 from fastpipe.payload.decoded import DecodedGraph, TensorMeta
 from fastpipe.payload.jsonread import Reader, entry, item, member
+from fastpipe.payload.legacy import normalize
 from fastpipe.payload.metas import read_tensor_meta
 from fastpipe.payload.targets import resolve
 
@@ -103,7 +105,7 @@ class _Decoder:
         tensor_values = r.obj(r.key(root, "tensor_values", ""), tv_path)
         metas = {k: read_tensor_meta(r, v, entry(tv_path, k)) for k, v in tensor_values.items()}
 
-        metadata = r.obj(r.key(root, "metadata", ""), "metadata")
+        metadata = r.obj(r.key(root, "metadata", "", default={}), "metadata")
         lifted = self.read_lifted(metadata)
         input_names = self.read_inputs(metas, lifted)
         consts, external, attrs = self.add_constants(metadata, lifted, metas)
@@ -379,7 +381,7 @@ def decode_payload(data: str | bytes, *, where: str) -> DecodedGraph:
     r = Reader(where)
     root = load_json(r, data)
     try:
-        return _Decoder(r, root).run(where)
+        return _Decoder(r, normalize(r, root)).run(where)
     except PayloadError:
         raise
     except RecursionError:

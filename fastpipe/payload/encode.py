@@ -229,6 +229,25 @@ class _Encoder:
                 out.append(self.element(node, i, v, users))
         return out
 
+    def created_names(self, node: torch.fx.Node, outputs: list[dict]) -> list[str]:
+        """The names of the nodes torch's deserializer makes for ``node``: the call itself, then a
+        getitem per output (unused ones too, under their `_unused_` names), in output order. The
+        producer's deserialize_gm renames the deserialized nodes from metadata.node_names one by
+        one, so the list must follow that order and count."""
+        returns = node.target._schema.returns
+        if len(returns) == 1 and not _is_tensor_list(returns[0].type):
+            return [node.name]
+        names = [node.name]
+        if len(returns) == 1:
+            return names + [t["name"] for t in outputs[0]["as_tensors"]]
+        for i, out in enumerate(outputs):
+            if "as_tensor" in out:
+                names.append(out["as_tensor"]["name"])
+            elif "as_tensors" in out:
+                names.append(f"{node.name}_list_{i}")
+                names += [t["name"] for t in out["as_tensors"]]
+        return names
+
     # -- whole graph --------------------------------------------------------------------------
     def run(self) -> str:
         lifted = [n for n in self.nodes if n.op == "get_attr"]
@@ -247,7 +266,7 @@ class _Encoder:
             self._record(n.name, self.values[n], n)
 
         graph_nodes = []
-        skipped: set[torch.fx.Node] = set()
+        created: list[str] = []    # node names in the order torch's deserializer creates the nodes
         output_node = None
         for n in self.nodes:
             if n.op in ("placeholder", "get_attr"):
@@ -256,7 +275,6 @@ class _Encoder:
                 output_node = n
                 continue
             if n.op == "call_module" and n.target == "_guards_fn" and not n.users:
-                skipped.add(n)
                 continue  # torch.export .module()'s input-guard hook: shapes are static here anyway
             if n.op != "call_function":
                 raise _fail(n, "call_function nodes of aten-level operators", n.op)
@@ -277,6 +295,7 @@ class _Encoder:
                 "outputs": self.outputs(n),
                 "metadata": {},
             })
+            created += self.created_names(n, graph_nodes[-1]["outputs"])
         if output_node is None:
             raise _fail(None, "an output node", "none")
         result = output_node.args[0]
@@ -298,11 +317,10 @@ class _Encoder:
             "is_single_tensor_return": single,
             "custom_obj_values": {},
         }
-        rest = [n.name for n in self.nodes if n.op not in ("placeholder", "get_attr") and n not in skipped]
         graph["metadata"] = {
             "node_metas": {},
             "node_dynamo_source_info": {},
-            "node_names": [n.name for n in lifted + placeholders] + rest,
+            "node_names": [n.name for n in lifted + placeholders] + created + [output_node.name],
             "constant_saved_info": {
                 "param_files": {},
                 "tensor_to_saved_file_id_and_saved_name": {},

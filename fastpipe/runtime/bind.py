@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from fastpipe import dtypes
-from fastpipe.compute_handlers import compute_handler
+from fastpipe.compute_handlers import required_handler
 from fastpipe.errors import PayloadError
 from fastpipe.format.model import Pipeline
 from fastpipe.options import LoadOptions
@@ -43,7 +43,7 @@ class Binder:
         st = self.p.supertasks[sid]
         if st.kind != "fx":
             text, _ = payload_text(self.p, sid, self.opts)
-            return compute_handler(st.kind)(sid, st, text)
+            return required_handler(st.kind, sid)(sid, st, text)
         key = (id(g), device)
         if key not in self._gms:
             if g.external_constants:

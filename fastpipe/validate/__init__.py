@@ -15,7 +15,7 @@ from fastpipe.validate.comm_groups import CommGroup, collect_groups
 from fastpipe.validate.dataflow import Dataflow
 from fastpipe.validate.metadata import check_metadata
 from fastpipe.validate.order import check_acyclic, check_live
-from fastpipe.validate.structure import check_devices, check_tensors
+from fastpipe.validate.structure import check_device_constraints, check_devices, check_tensors
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Checked:
 
 def validate_structure(p: Pipeline) -> Checked:
     check_devices(p)
+    check_device_constraints(p)
     flow = check_tensors(p)
     groups = collect_groups(p)
     order = check_acyclic(p, flow, groups)

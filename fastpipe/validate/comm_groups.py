@@ -38,7 +38,22 @@ def collect_groups(p: Pipeline) -> dict[str, CommGroup]:
     for sid, st in p.supertasks.items():
         if st.is_comm:
             by_group[st.group].append(sid)
+    for sid, st in p.supertasks.items():
+        if st.is_comm and st.group_is_null:
+            _check_null_group(p, sid, st, by_group[st.group])
     return {g: _check_group(p, g, sids) for g, sids in by_group.items()}
+
+
+def _check_null_group(p: Pipeline, sid: str, st: SuperTask, members: list[str]) -> None:
+    """`"group": null` makes a group of one (the supertask alone): a collective over a single
+    participant, whose result is its input. A send or recv cannot pair with anything."""
+    if st.kind in ("send", "recv"):
+        raise ValidationError(f"{_st(sid)}.group: expected a group name shared by a {st.kind} and its "
+                              f"{'recv' if st.kind == 'send' else 'send'}, found null")
+    if len(members) != 1:
+        other = next(m for m in members if m != sid)
+        raise ValidationError(f"{_st(other)}.group: expected a name other than \"{st.group}\" (fastpipe's name for "
+                              f"the group of supertask \"{sid}\", whose group is null), found it")
 
 
 def _check_group(p: Pipeline, group: str, sids: list[str]) -> CommGroup:

@@ -8,7 +8,7 @@ replicas, shared blobs) are decoded once.
 from __future__ import annotations
 
 from fastpipe import dtypes
-from fastpipe.compute_handlers import compute_handler
+from fastpipe.compute_handlers import required_handler
 from fastpipe.errors import PayloadError, key_path
 from fastpipe.format.model import Pipeline
 from fastpipe.options import LoadOptions
@@ -30,10 +30,8 @@ def decode_all(p: Pipeline, opts: LoadOptions, *, check: bool = True) -> dict[st
     checked: set[tuple[str, tuple, tuple]] = set()
     out: dict[str, DecodedGraph] = {}
     for sid, st in p.supertasks.items():
-        if st.kind == "dfg":
-            if compute_handler("dfg") is None:
-                raise PayloadError(f"{key_path('supertasks', sid)}.kind: expected a kind fastpipe can run (fx), found dfg "
-                                   "(an NPU compiler graph; register a handler with fastpipe.register_compute_handler(\"dfg\", ...))")
+        if st.kind in ("dfg", "edf"):
+            required_handler(st.kind, sid)
             continue
         if st.kind != "fx":
             continue

@@ -19,8 +19,11 @@ def _base_dir(p: Pipeline) -> Path:
     return p.source_dir if p.source_dir is not None else Path.cwd()
 
 
-def payload_text(p: Pipeline, sid: str, opts: LoadOptions) -> tuple[str, str]:
-    """Return (text, where) for a compute supertask; `where` is the JSON path errors name."""
+def payload_text(p: Pipeline, sid: str, opts: LoadOptions) -> tuple[str | bytes, str]:
+    """Return (payload, where) for a compute supertask; `where` is the JSON path errors name.
+    A null blob is read from `<blob-id>.fx` beside the pipeline (text), or for an NPU graph
+    (dfg, edf) from `<blob-id>.<kind>` (bytes: the producer saves an edf blob as its
+    CompiledGraph's serialized bytes)."""
     st = p.supertasks[sid]
     if st.data is not None:
         return st.data, key_path("supertasks", sid) + ".data"
@@ -32,16 +35,17 @@ def payload_text(p: Pipeline, sid: str, opts: LoadOptions) -> tuple[str, str]:
     text = p.blobs[st.data_blob]
     if text is not None:
         return text, where
-    file = resolve_param_path(_base_dir(p), f"{st.data_blob}.fx", where=where, allow_outside=opts.allow_outside_paths)
+    name = f"{st.data_blob}.{st.kind}"
+    file = resolve_param_path(_base_dir(p), name, where=where, allow_outside=opts.allow_outside_paths)
     if file.exists() and not file.is_file():      # a FIFO or device would block or stream forever
-        raise PayloadError(f"{where}: expected the payload file \"{st.data_blob}.fx\" to be a regular file, found "
+        raise PayloadError(f"{where}: expected the payload file \"{name}\" to be a regular file, found "
                            f"{'a folder' if file.is_dir() else 'a special file (FIFO, device or socket)'}")
     try:
-        return file.read_text(encoding="ascii"), where
+        return (file.read_text(encoding="ascii") if st.kind == "fx" else file.read_bytes()), where
     except FileNotFoundError:
-        raise PayloadError(f"{where}: expected the payload file \"{st.data_blob}.fx\" beside the pipeline (the blob is null), found no such file") from None
+        raise PayloadError(f"{where}: expected the payload file \"{name}\" beside the pipeline (the blob is null), found no such file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise PayloadError(f"{where}: cannot read \"{st.data_blob}.fx\": {e}") from None
+        raise PayloadError(f"{where}: cannot read \"{name}\": {e}") from None
 
 
 def param_ref(p: Pipeline, name: str, opts: LoadOptions) -> tuple[ParamRef, str]:

@@ -44,6 +44,21 @@ def check_devices(p: Pipeline) -> None:
             raise ValidationError(f"{key_path('devices', slot)}: expected every declared slot to run a supertask, found none on slot \"{slot}\"")
 
 
+def check_device_constraints(p: Pipeline) -> None:
+    """`device_constraints` entries name declared slots (they are kept and shown, not enforced)."""
+    def leaves(value, path):
+        if isinstance(value, tuple):
+            for i, v in enumerate(value):
+                yield from leaves(v, f"{path}[{i}]")
+        else:
+            yield path, value
+
+    for i, c in enumerate(p.device_constraints or ()):
+        for path, slot in leaves(c.devices or (), f"device_constraints[{i}].devices"):
+            if slot not in p.devices:
+                raise ValidationError(f"{path}: expected a declared slot ({', '.join(sorted(p.devices))}), found \"{slot}\"")
+
+
 def check_tensors(p: Pipeline) -> Dataflow:
     in_id, out_id = io_supertasks(p)
     flow = dataflow(p, in_id, out_id)

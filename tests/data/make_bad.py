@@ -279,6 +279,37 @@ def _(f):
     save(f, d)
 
 
+@case("next_gen_format", "file", "furiosa-llm's experimental stage-based format (next_gen.py), which is not this format",
+      r"stages: expected the supertask format \(devices, tensors, supertasks\), found furiosa-llm's experimental stage-based format .*$")
+def _(f):
+    save(f, {"name": "next_gen", "inputs": {}, "outputs": {}, "stages": [], "version": "0.1.0"})
+
+
+@case("compute_data_and_blob_null", "file", "a compute supertask whose data and data_blob are both null",
+      r'supertasks\["1"\]: expected exactly one of "data" or "data_blob" for a fx supertask \(the other absent or null\), found neither$')
+def _(f):
+    d = tp(f)
+    d["supertasks"]["1"]["data_blob"] = None
+    d["supertasks"]["1"]["data"] = None
+    save(f, d)
+
+
+@case("device_rngd_bad_pe_count", "file", "an rngd:N:K device whose K is not 1, 2, 4 or 8 fused processing elements",
+      r'devices\["0"\]: expected a device like cpu, .*rngd:N:K.*found "rngd:0:3"$')
+def _(f):
+    d = tp(f)
+    d["devices"]["0"] = "rngd:0:3"
+    save(f, d)
+
+
+@case("device_constraint_unknown_slot", "structure", "a device_constraints entry naming an undeclared slot",
+      r'device_constraints\[0\]\.devices\[0\]\[1\]: expected a declared slot \(0, 1\), found "7"$')
+def _(f):
+    d = tp(f)
+    d["device_constraints"] = [{"kind": "ring", "devices": [["0", "7"]]}]
+    save(f, d)
+
+
 @case("unknown_field_tensor", "file", "an unknown field in a tensor",
       r'tensors\["x"\]\.layout: unknown field \(allowed: dtype, shape, value\)$')
 def _(f):
@@ -574,6 +605,14 @@ def _(f):
 
 
 # ============================================================================== comm groups
+@case("null_group_send", "comm", "a send whose group is null (a null group is a group of one; a send needs its recv)",
+      r'supertasks\["2"\]\.group: expected a group name shared by a send and its recv, found null$')
+def _(f):
+    d = p2p(f)
+    d["supertasks"]["2"]["group"] = None
+    save(f, d)
+
+
 @case("group_mixed_kinds", "comm", "one group holding two kinds",
       r'supertasks\["4"\]\.kind: expected every member of group "g" to be all_reduce \(like supertask "3"\), found all_gather$')
 def _(f):
@@ -827,8 +866,27 @@ def _pickle_blob(g):
     g["metadata"]["constant_saved_info"]["blob"] = base64.b64encode(pickle.dumps({"c": Evil()})).decode()
 
 
+def _legacy_pickled_constant(g):
+    """furiosa-llm 2024.1's torch 2.1 spelling keeps constants as base64 torch.save files; this one
+    holds a pickled object whose __reduce__ would create MARKER."""
+    import io
+
+    class MarkerWriter:
+        def __reduce__(self):
+            return (open, (MARKER, "w"))
+
+    buf = io.BytesIO()
+    torch.save({"c": MarkerWriter()}, buf)
+    g.pop("metadata")
+    g["constants"] = {"c": base64.b64encode(buf.getvalue()).decode()}
+
+
 _blob_case("payload_pickle_blob", "a payload whose constants blob is a pickle",
            r'blobs\["mm"\]: metadata\.constant_saved_info\.blob: .*$', _pickle_blob)
+_blob_case("payload_legacy_constant_pickle",
+           "a torch 2.1-spelled payload (furiosa-llm 2024.1) whose torch.save constant holds a pickled object",
+           r'blobs\["mm"\]: constants\["c"\]: expected a torch\.save file holding one tensor \(read with '
+           r'weights_only=True\), found bytes it refuses .*$', _legacy_pickled_constant)
 
 
 @case("payload_not_base64", "payload", "a payload that is not base64",
@@ -896,6 +954,18 @@ def _(f):
     d = p2p(f)
     d["supertasks"]["4"]["kind"] = "dfg"
     d["supertasks"]["4"]["data"] = "NPU-COMPILER-GRAPH"
+    save(f, d)
+
+
+@case("edf_without_handler", "payload", "an edf supertask (an NPU binary) with no registered handler",
+      r'supertasks\["4"\]\.kind: expected a kind fastpipe can run \(fx\), found edf .*register_compute_handler\("edf".*$')
+def _(f):
+    d = p2p(f)
+    d["supertasks"]["4"]["kind"] = "edf"
+    d["supertasks"]["4"]["data"] = None
+    d["supertasks"]["4"]["data_blob"] = "npu0"
+    d["blobs"] = {"npu0": None}
+    (f / "npu0.edf").write_bytes(b"\x7fEDF")
     save(f, d)
 
 
