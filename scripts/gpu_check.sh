@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One command for a session that draws a GPU machine (device tool `run`): install fastpipe, run the
+# CUDA tests, the plain suite and the GPU benchmarks, and leave logs and JSON results under $OUT.
+#
+#   bash scripts/gpu_check.sh            # all stages (about 20 min: split it over calls, see below)
+#   bash scripts/gpu_check.sh cuda       # install + `pytest -m cuda`
+#   bash scripts/gpu_check.sh plain      # install + the plain suite (what CI runs, on this machine)
+#   bash scripts/gpu_check.sh bench      # install + the GPU benchmark suites (bench/report.py)
+#
+# Each device call may run 10 minutes at most, so a session runs the stages as separate calls
+# (the machine stays warm for 30 s between calls; the install is repeated, it takes seconds).
+# The machine has python3 with torch, triton, safetensors, pytest and pytest-benchmark, and no
+# network: nothing else is installed. Tests needing what is absent (hypothesis, transformers)
+# are left out and listed in $OUT/summary.txt. At most 8 files come back from $OUT; this
+# writes: machine.txt, summary.txt, <stage>.log per stage, cuda.xml, plain.xml, bench.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+stage="${1:-all}"
+summary="$OUT/summary.txt"
+
+{
+  date -u +"%Y-%m-%dT%H:%M:%SZ"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  python3 - <<'EOF'
+import platform, torch
+try:
+    import triton
+    tv = triton.__version__
+except Exception as e:  # noqa: BLE001
+    tv = f"unavailable ({e})"
+print(f"python {platform.python_version()} torch {torch.__version__} cuda {torch.version.cuda} triton {tv}")
+print(f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+EOF
+} > "$OUT/machine.txt" 2>&1
+
+if ! pip install -q -e . --no-deps --no-build-isolation > "$OUT/install.log" 2>&1; then
+  echo "install failed (see install.log)" | tee -a "$summary"
+  exit 1
+fi
+rm -f "$OUT/install.log"
+
+missing=()
+python3 -c "import hypothesis" 2>/dev/null || missing+=(--ignore=tests/test_fuzz.py)
+python3 -c "import transformers" 2>/dev/null || echo "transformers absent: Hugging Face tests skip themselves" >> "$summary"
+[ ${#missing[@]} -gt 0 ] && echo "left out (module absent on this machine): ${missing[*]}" >> "$summary"
+
+run_stage() {  # name, timeout, command...
+  local name="$1" limit="$2"
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc in $((SECONDS - t0)) s ($(tail -n 1 "$OUT/$name.log"))" | tee -a "$summary"
+  return $rc
+}
+
+rc=0
+if [ "$stage" = cuda ] || [ "$stage" = all ]; then
+  run_stage cuda 540 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$OUT/cuda.xml" "${missing[@]}" || rc=1
+fi
+if [ "$stage" = plain ] || [ "$stage" = all ]; then
+  run_stage plain 560 python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/plain.xml" "${missing[@]}" || rc=1
+fi
+if [ "$stage" = bench ] || [ "$stage" = all ]; then
+  run_stage bench 560 python3 bench/report.py --suites examples,comm,kernels --out "$OUT/bench" || rc=1
+  [ -f "$OUT/bench/results.json" ] && mv "$OUT/bench/results.json" "$OUT/bench.json"
+  [ -f "$OUT/bench/report.md" ] && cat "$OUT/bench/report.md" >> "$OUT/bench.log"
+  rm -rf "$OUT/bench"
+fi
+exit $rc
