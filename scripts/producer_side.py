@@ -134,6 +134,17 @@ class Case:
         self.has_collectives = False
         self.style: list[str] = []
 
+    @classmethod
+    def one_checkpoint(cls, P: Producer, name: str, folder: Path, x: torch.Tensor, y: torch.Tensor,
+                       out_name: str = "y") -> "Case":
+        """A case whose constants are all in model.safetensors (param file "0"), the original
+        model taking x (input 0) and returning `out_name` (output 0)."""
+        c = cls(P, name, folder)
+        c.param_file("0", "model.safetensors", "safetensors")
+        c.original("in", "x", x, 0)
+        c.original("out", out_name, y, 0)
+        return c
+
     def _sid(self) -> str:
         return self.P.T.SuperTaskId(str(len(self.supertasks)))
 
@@ -279,10 +290,7 @@ def case_tp_mlp_all_reduce(P: Producer, folder: Path) -> Case:
     weights = {"fc1.weight": fc1.weight.detach(), "fc1.bias": fc1.bias.detach(),
                "fc2.weight": fc2.weight.detach(), "fc2.bias": fc2.bias.detach()}
     save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
-    c = Case(P, "tp_mlp_all_reduce", folder)
-    c.param_file("0", "model.safetensors", "safetensors")
-    c.original("in", "x", x, 0)
-    c.original("out", "y", y, 0)
+    c = Case.one_checkpoint(P, "tp_mlp_all_reduce", folder, x, y)
     ins, outs = [], []
     for r in range(n):
         s = str(r)
@@ -366,10 +374,7 @@ def case_seq_parallel(P: Producer, folder: Path) -> Case:
     y = fc2(torch.tanh(fc1(x))).detach()
     w1, w2 = fc1.weight.detach(), fc2.weight.detach()
     save_file({"fc1.weight": w1.contiguous(), "fc2.weight": w2.contiguous()}, str(folder / "model.safetensors"))
-    c = Case(P, "seq_parallel", folder)
-    c.param_file("0", "model.safetensors", "safetensors")
-    c.original("in", "x", x, 0)
-    c.original("out", "y", y, 0)
+    c = Case.one_checkpoint(P, "seq_parallel", folder, x, y)
     ins, outs = [], []
     for r in range(n):
         s = str(r)
@@ -410,10 +415,7 @@ def case_gather_reduce(P: Producer, folder: Path) -> Case:
     w1, b1, w2 = fc1.weight.detach(), fc1.bias.detach(), fc2.weight.detach()
     save_file({"fc1.weight": w1.contiguous(), "fc1.bias": b1.contiguous(), "fc2.weight": w2.contiguous()},
               str(folder / "model.safetensors"))
-    c = Case(P, "gather_reduce", folder)
-    c.param_file("0", "model.safetensors", "safetensors")
-    c.original("in", "x", x, 0)
-    c.original("out", "h", h, 0)
+    c = Case.one_checkpoint(P, "gather_reduce", folder, x, h, out_name="h")
     c.original("out", "z", z, 1)
     col = trace(lambda x_, w_, b_: F.silu(torch.addmm(b_, x_, w_.t())), x, w1[: H // n], b1[: H // n])
     row = trace(lambda h_, w_: torch.mm(h_, w_.t()), torch.zeros(B, H // n), w2[:, : H // n])
@@ -450,10 +452,7 @@ def case_broadcast_all_to_all(P: Producer, folder: Path) -> Case:
     ys = [torch.cat([torch.chunk(copies[j], n, dim=1)[i] for j in range(n)], dim=0) for i in range(n)]
     y = torch.cat(ys, dim=0)
     save_file({"scales": scales.contiguous()}, str(folder / "model.safetensors"))
-    c = Case(P, "broadcast_all_to_all", folder)
-    c.param_file("0", "model.safetensors", "safetensors")
-    c.original("in", "x", x, 0)
-    c.original("out", "y", y, 0)
+    c = Case.one_checkpoint(P, "broadcast_all_to_all", folder, x, y)
     for r in range(n):
         c.slot(str(r), f"cpu:{r}")
     c.piece("in", "x", "x", x, [(0, B), (0, D)], "0")
