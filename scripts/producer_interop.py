@@ -380,7 +380,7 @@ def main() -> int:
                 write_standins(loader)
             env = side_env(rel)
             row = {"version": v, "venv": rel.venv_key(), "furiosa_missing": rel.furiosa_missing, "style": style_for(v),
-                   "standins": write_standins(rel)}
+                   "standins_written": write_standins(rel)}
             if "generate" in steps:
                 cmd = [str(python), str(SIDE), "generate", "--src", str(rel.src), "--version", v, "--out", str(args.out / v)]
                 if loader is not rel:

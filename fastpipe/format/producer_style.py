@@ -59,8 +59,7 @@ def producer_form(p: Pipeline, *, blob_text: Callable[[str], str] | None = None,
         p = _rewrite_payloads(p, rewrite_payload, blob_text)
     p, side = _blobs(p)
     p = _supertasks(p)
-    spellings = {name: dtypes.PRODUCER_SPELLING[name] for name in dtypes.PRODUCER_SPELLING}
-    return replace(p, devices={k: _device(d) for k, d in p.devices.items()}, dtype_spellings=spellings,
+    return replace(p, devices={k: _device(d) for k, d in p.devices.items()}, dtype_spellings=dict(dtypes.PRODUCER_SPELLING),
                    version=p.version or SCHEMA_VERSION), side
 
 
@@ -130,8 +129,7 @@ def _fresh(base: str, taken: set[str]) -> str:
 
 def _one_slot_per_tensor(p: Pipeline) -> Pipeline:
     in_id, in_st = p.input_supertask()
-    out_id, out_st = p.output_supertask()
-    outputs = set(out_st.inputs)
+    outputs = set(p.output_names)
     readers = {t for st in p.supertasks.values() if st.device is not None for t in st.inputs}
     for name in outputs & readers:
         if name not in in_st.outputs:
