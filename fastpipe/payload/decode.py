@@ -20,7 +20,7 @@ import torch
 from fastpipe.errors import PayloadError
 from fastpipe.payload import constants as const
 from fastpipe.payload.arguments import decode_argument, place
-from fastpipe.payload.compat import make_graph_module
+from fastpipe.torch_compat import make_graph_module
 from fastpipe.payload.decoded import DecodedGraph, TensorMeta
 from fastpipe.payload.jsonread import Reader, entry, item, member
 from fastpipe.payload.legacy import normalize

@@ -1,0 +1,48 @@
+"""The one place that imports private torch APIs (torch 2.11 - 2.13).
+
+Every other fastpipe module takes what it needs from here, so a torch upgrade that moves
+one of them is fixed in one file (tests/test_layering.py checks that no other module
+names ``torch._<something>``).
+
+    OpOverload, OpOverloadPacket   aten operator classes (torch._ops)
+    FakeTensorMode, FakeTensor     fake tensors for shape propagation (torch._subclasses)
+    unique_graphs()                dynamo's count of graphs compiled so far (torch._dynamo)
+    make_graph_module(...)         a GraphModule whose code is generated lazily (torch.fx)
+
+``make_graph_module`` builds a GraphModule without generating and exec-ing
+its Python code yet. torch.fx compiles a GraphModule's ``forward`` by
+generating source from the graph and calling ``exec`` on it; with the lazy
+variant that happens on the first call (or ``.code`` access), not while a
+payload is decoded. The generated code comes from a graph whose targets,
+names and constants decoding has validated; nothing from the file is
+executed as code either way.
+"""
+from __future__ import annotations
+
+import torch
+
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+def unique_graphs() -> int:
+    """Graphs torch.compile (dynamo) has produced in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+try:  # private since torch 2.3; present in 2.11 - 2.13
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _Lazy
+except ImportError:  # pragma: no cover - fallback for a torch without it
+    _Lazy = None
+
+
+def make_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: str) -> torch.fx.GraphModule:
+    if _Lazy is not None:
+        return _Lazy(root, graph, class_name)
+    return torch.fx.GraphModule(root, graph, class_name)  # pragma: no cover
