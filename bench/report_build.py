@@ -34,7 +34,7 @@ def vm_hwm_kib():
 
 t0 = time.perf_counter()
 import torch, transformers, fastpipe
-from fastpipe.build.hf.build import build_hf
+from fastpipe.builder.hf.build import build_hf
 imports = time.perf_counter() - t0
 rss_imports = vm_hwm_kib()
 mode, model, out, tp, pp = sys.argv[1:6]
@@ -65,7 +65,7 @@ def main() -> int:
     from transformers import GPT2Config
 
     from bench.machine import machine_info
-    from fastpipe.build.hf.checkpoint import save_random_checkpoint
+    from fastpipe.builder.hf.checkpoint import save_random_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "gpt2"

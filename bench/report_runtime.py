@@ -48,8 +48,8 @@ def main() -> int:
 
     import fastpipe
     from bench.machine import machine_info
-    from fastpipe.build.hf.build import build_hf
-    from fastpipe.build.hf.checkpoint import save_random_checkpoint
+    from fastpipe.builder.hf.build import build_hf
+    from fastpipe.builder.hf.checkpoint import save_random_checkpoint
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)

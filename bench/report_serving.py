@@ -29,8 +29,8 @@ def main() -> int:
     import transformers
 
     from bench.machine import machine_info
-    from fastpipe.build.hf.build import build_hf
-    from fastpipe.build.hf.checkpoint import save_random_checkpoint
+    from fastpipe.builder.hf.build import build_hf
+    from fastpipe.builder.hf.checkpoint import save_random_checkpoint
     from fastpipe.generate import build_generation_set, greedy_generate
     from fastpipe.serving import ModelSet
 

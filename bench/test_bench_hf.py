@@ -7,8 +7,8 @@ import fastpipe
 
 transformers = pytest.importorskip("transformers")
 
-from fastpipe.build.hf.build import build_hf  # noqa: E402
-from fastpipe.build.hf.checkpoint import save_random_checkpoint  # noqa: E402
+from fastpipe.builder.hf.build import build_hf  # noqa: E402
+from fastpipe.builder.hf.checkpoint import save_random_checkpoint  # noqa: E402
 
 CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(n_layer=4, n_embd=256, n_head=8, vocab_size=8000, n_positions=256),

@@ -19,18 +19,18 @@ def load(*args, **kwargs):
 def build(model, example_inputs=None, **kwargs):
     """Split a model into a tensor-/pipeline-parallel pipeline; returns a Built (``.pipeline``, ``.save(dir)``).
 
-    ``model`` is an ``nn.Module`` (with ``example_inputs`` and a ``plan``; see fastpipe.build.api.build)
-    or the path of a local Hugging Face checkpoint folder (see fastpipe.build.hf.build.build_hf).
+    ``model`` is an ``nn.Module`` (with ``example_inputs`` and a ``plan``; see fastpipe.builder.api.build)
+    or the path of a local Hugging Face checkpoint folder (see fastpipe.builder.hf.build.build_hf).
     """
     import os
 
     if isinstance(model, (str, os.PathLike)):
-        from fastpipe.build.hf.build import build_hf
+        from fastpipe.builder.hf.build import build_hf
 
         if example_inputs is not None:
             raise TypeError("build(path, ...): example_inputs are for nn.Module models; give batch= and seq_len=")
         return build_hf(model, **kwargs)
-    from fastpipe.build.api import build as _build
+    from fastpipe.builder.api import build as _build
 
     return _build(model, example_inputs, **kwargs)
 

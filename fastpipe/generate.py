@@ -21,7 +21,7 @@ from fastpipe.model_io import nest
 
 def build_generation_set(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, batch: int, prompt_len: int,
                          max_new_tokens: int, tp: int = 1, pp: int = 1) -> list[Path]:
-    from fastpipe.build.hf.build import build_hf
+    from fastpipe.builder.hf.build import build_hf
 
     out = Path(out_dir)
     paths = [build_hf(model_dir, tp=tp, pp=pp, batch=batch, seq_len=prompt_len, past_len=0).save(out / "prefill")]

@@ -243,9 +243,9 @@ def write_ours(folder: Path, style: str = "producer") -> list[Path]:
     import torch
     import transformers
 
-    from fastpipe.build.api import build
-    from fastpipe.build.hf.build import build_hf
-    from fastpipe.build.hf.checkpoint import save_random_checkpoint
+    from fastpipe.builder.api import build
+    from fastpipe.builder.hf.build import build_hf
+    from fastpipe.builder.hf.checkpoint import save_random_checkpoint
     from fastpipe.format import read_pipeline, write_pipeline
 
     out = []

@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fastpipe.build.hf.checkpoint import save_random_checkpoint  # noqa: E402
+from fastpipe.builder.hf.checkpoint import save_random_checkpoint  # noqa: E402
 
 CONFIGS = {
     # vocab 99 does not divide by 2 or 4: the LM head stays whole on every rank

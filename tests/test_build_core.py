@@ -8,10 +8,10 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fastpipe
-from fastpipe.build import markers
-from fastpipe.build.api import build
-from fastpipe.build.graph_split import comm_point
-from fastpipe.build.sharding import apply_sharding
+from fastpipe.builder import markers
+from fastpipe.builder.api import build
+from fastpipe.builder.graph_split import comm_point
+from fastpipe.builder.sharding import apply_sharding
 
 
 def run_built(built, tmp_path, *inputs, names=None):

@@ -7,7 +7,7 @@ import fastpipe
 from fastpipe.errors import InvalidInput
 from tests.hf_models import assert_outputs_match, hf_reference, make_checkpoint, run_model_level
 
-from fastpipe.build.hf.build import build_hf  # noqa: E402  (after the transformers importorskip)
+from fastpipe.builder.hf.build import build_hf  # noqa: E402  (after the transformers importorskip)
 
 B, S, P = 2, 8, 5
 

@@ -1,12 +1,12 @@
-"""The annotation grammar of fastpipe.build.dimops: parse, format, errors."""
+"""The annotation grammar of fastpipe.builder.dimops: parse, format, errors."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastpipe.build.dimops import AnnotationError, format_annotation, parse
-from fastpipe.build.dimops.grammar import Annotation, Dim, Ident, TensorAnno
+from fastpipe.builder.dimops import AnnotationError, format_annotation, parse
+from fastpipe.builder.dimops.grammar import Annotation, Dim, Ident, TensorAnno
 from fastpipe.errors import InvalidInput
 
 

@@ -1,5 +1,5 @@
 """Shape inference, the dim split algorithm, layouts/comm, the aten registry and
-the @dimop decorator of fastpipe.build.dimops -- with numeric checks that a
+the @dimop decorator of fastpipe.builder.dimops -- with numeric checks that a
 split op, run per slot on the sliced inputs and combined by the output
 layouts, equals the unsplit op."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from fastpipe.build import dimops
-from fastpipe.build.dimops import (
+from fastpipe.builder import dimops
+from fastpipe.builder.dimops import (
     AnnotationError,
     Comm,
     Partial,
@@ -710,7 +710,7 @@ def test_annotation_checked_against_call():
         assert "input 1 is annotated as a tensor but the call gives int" in str(e.value)
     finally:
         dimops.unregister_annotation(aten.nonzero.default)
-        from fastpipe.build.dimops import aten as rules
+        from fastpipe.builder.dimops import aten as rules
 
         register_annotation(aten.mm.default, "m k+, k+ n -> m n")
         register_annotation(aten.pow.Tensor_Scalar, rules.unary)

@@ -164,7 +164,7 @@ def built(tmp_path_factory):
     import torch.nn.functional as F
     from torch import nn
 
-    from fastpipe.build.api import build
+    from fastpipe.builder.api import build
 
     class Block(nn.Module):
         def __init__(self, d=16, h=32):
@@ -360,6 +360,6 @@ def test_wire_and_accumulation_dtypes():
 
 def test_member_order_vs_subgroup_order():
     g = _Group("g", "all_gather", {}, ("a", "b", "c"), ("0", "1", "2"), (3, 1, 2), "native", None, torch.device("cpu"),
-               (), (), None)
+               (), None)
     assert [g.gr(i) for i in range(3)] == [2, 0, 1]      # sub-group ranks sort the global ranks 1, 2, 3
     assert [g.at(k) for k in range(3)] == [1, 2, 0]

@@ -57,7 +57,7 @@ def test_builder_sequence_parallel_pipeline(tmp_path, family):
     """A sequence-parallel pipeline from the builder: with the pass, the same outputs as without it."""
     from tests.hf_models import make_checkpoint
 
-    from fastpipe.build.hf.build import build_hf
+    from fastpipe.builder.hf.build import build_hf
 
     folder = tmp_path / family
     make_checkpoint(family, folder)

@@ -1,4 +1,4 @@
-"""The Hugging Face harness (fastpipe.build.hf) against transformers' own forward.
+"""The Hugging Face harness (fastpipe.builder.hf) against transformers' own forward.
 
 For each family, from tiny random checkpoints written by ``save_random_checkpoint``:
 meta skeleton -> checkpoint index (tied weights, prefixes, shards, legacy names)
@@ -27,12 +27,12 @@ from transformers import (  # noqa: E402
     BertConfig, BertForMaskedLM, DynamicCache, GPT2Config, GPT2Model, LlamaConfig, MistralConfig, Qwen2Config,
 )
 
-from fastpipe.build.hf import plans  # noqa: E402
-from fastpipe.build.hf.checkpoint import (  # noqa: E402
+from fastpipe.builder.hf import plans  # noqa: E402
+from fastpipe.builder.hf.checkpoint import (  # noqa: E402
     checkpoint_index, load_tensors, save_random_checkpoint, stored_tensors, tied_parameters,
 )
-from fastpipe.build.hf.load import detect_family, load_skeleton, skeleton_buffers  # noqa: E402
-from fastpipe.build.hf.trace import (  # noqa: E402
+from fastpipe.builder.hf.load import detect_family, load_skeleton, skeleton_buffers  # noqa: E402
+from fastpipe.builder.hf.trace import (  # noqa: E402
     ATEN_OPS, call_targets, flat_signature, ordered, trace_fake, traced_forward,
 )
 from fastpipe.errors import InvalidInput, ParamError  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import fastpipe
-from fastpipe.build.api import build
+from fastpipe.builder.api import build
 from fastpipe.errors import FormatError
 from fastpipe.format import read_pipeline, write_pipeline
 from fastpipe.payload import decode_payload, encode_payload
@@ -153,7 +153,7 @@ def test_build_save_in_producer_style(tmp_path):
 
 
 def test_cli_build_style_producer(tmp_path, capsys):
-    from fastpipe.build.hf.checkpoint import save_random_checkpoint
+    from fastpipe.builder.hf.checkpoint import save_random_checkpoint
     from fastpipe.cli import main
 
     transformers = pytest.importorskip("transformers")

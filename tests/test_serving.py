@@ -16,7 +16,7 @@ from fastpipe.errors import InputError, RunError
 from fastpipe.model_io import assemble_outputs, flatten_args, nest
 from tests.hf_models import hf_reference, make_checkpoint
 
-from fastpipe.build.hf.build import build_hf  # noqa: E402
+from fastpipe.builder.hf.build import build_hf  # noqa: E402
 from fastpipe.generate import build_generation_set, greedy_generate  # noqa: E402
 from fastpipe.serving import ModelSet  # noqa: E402
 

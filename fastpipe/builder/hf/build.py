@@ -7,8 +7,8 @@
 
 The model is instantiated on the meta device (no weight is read: only the
 safetensors headers). Each rank gets a copy whose planned modules are replaced
-by the tensor-parallel layers of fastpipe.build.tp_layers (plan:
-fastpipe.build.hf.plans); decoder layers are cut into `pp` even stages. Every
+by the tensor-parallel layers of fastpipe.builder.tp_layers (plan:
+fastpipe.builder.hf.plans); decoder layers are cut into `pp` even stages. Every
 constant is a slice of the original checkpoint tensor.
 """
 from __future__ import annotations
@@ -22,16 +22,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fastpipe import dtypes
-from fastpipe.build import markers
-from fastpipe.build.api import Built
-from fastpipe.build.emit import Emitter, IOSpec, RankGraph, StoredParam
-from fastpipe.build.hf import plans
-from fastpipe.build.hf.checkpoint import checkpoint_index
-from fastpipe.build.hf.load import load_skeleton
-from fastpipe.build.hf.trace import flat_signature, traced_forward
-from fastpipe.build.sharding import apply_sharding
-from fastpipe.build.sources import Source
-from fastpipe.build.tp_layers import ColumnLinear, RowLinear, VocabEmbedding
+from fastpipe.builder import markers
+from fastpipe.builder.api import Built
+from fastpipe.builder.emit import Emitter, IOSpec, RankGraph, StoredParam
+from fastpipe.builder.hf import plans
+from fastpipe.builder.hf.checkpoint import checkpoint_index
+from fastpipe.builder.hf.load import load_skeleton
+from fastpipe.builder.hf.trace import flat_signature, traced_forward
+from fastpipe.builder.sharding import apply_sharding
+from fastpipe.builder.sources import Source
+from fastpipe.builder.tp_layers import ColumnLinear, RowLinear, VocabEmbedding
 from fastpipe.errors import InvalidInput
 from fastpipe.format import parse_pipeline
 from fastpipe.validate import validate_structure

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastpipe.build.dimops.errors import anno_error
-from fastpipe.build.dimops.grammar import Annotation, TensorAnno, format_annotation, parse
-from fastpipe.build.dimops.infer import Bindings, bind
-from fastpipe.build.dimops.layouts import Comm, Layout, Partial, Replicate, Shard, comm_between
+from fastpipe.builder.dimops.errors import anno_error
+from fastpipe.builder.dimops.grammar import Annotation, TensorAnno, format_annotation, parse
+from fastpipe.builder.dimops.infer import Bindings, bind
+from fastpipe.builder.dimops.layouts import Comm, Layout, Partial, Replicate, Shard, comm_between
 
 Shape = tuple[int, ...]
 

@@ -34,8 +34,8 @@ from typing import Callable, Union
 
 import torch
 
-from fastpipe.build.dimops.errors import AnnotationError
-from fastpipe.build.dimops.grammar import Annotation, format_annotation, parse
+from fastpipe.builder.dimops.errors import AnnotationError
+from fastpipe.builder.dimops.grammar import Annotation, format_annotation, parse
 
 Factory = Callable[..., object]
 Entry = Union[Annotation, Factory]
@@ -194,7 +194,7 @@ def _ensure_builtins() -> None:
         if _BUILTINS_LOADED:
             return
         _BUILTINS_LOADED = True
-    from fastpipe.build.dimops import aten  # noqa: F401  (registers the aten rules)
+    from fastpipe.builder.dimops import aten  # noqa: F401  (registers the aten rules)
 
 
 __all__ = ["register_annotation", "unregister_annotation", "annotation_for", "call_slots", "input_shapes_for", "op_key"]

@@ -3,7 +3,7 @@
 An annotation such as ``"m k+, k+ n -> m n"`` says, per operator, how it may
 be split over n devices and which communication the split implies:
 
-    from fastpipe.build import dimops
+    from fastpipe.builder import dimops
     anno = dimops.annotation_for(torch.ops.aten.mm.default, (a, b), {})
     plan = dimops.split(anno, "k", 2, [a.shape, b.shape])
     plan.inputs   # (Shard(1), Shard(0))
@@ -15,19 +15,19 @@ Modules: ``grammar`` (parse/format), ``infer`` (shapes), ``layouts``
 ``registry`` (lookup/registration), ``aten`` (the built-in aten rules),
 ``custom`` (the ``@dimop`` decorator), ``errors`` (AnnotationError).
 """
-from fastpipe.build.dimops.errors import AnnotationError
-from fastpipe.build.dimops.grammar import Annotation, Dim, Ident, TensorAnno, format_annotation, parse
-from fastpipe.build.dimops.infer import bind, infer_shapes
-from fastpipe.build.dimops.layouts import Comm, Partial, Replicate, Shard, comm_between
-from fastpipe.build.dimops.registry import (
+from fastpipe.builder.dimops.errors import AnnotationError
+from fastpipe.builder.dimops.grammar import Annotation, Dim, Ident, TensorAnno, format_annotation, parse
+from fastpipe.builder.dimops.infer import bind, infer_shapes
+from fastpipe.builder.dimops.layouts import Comm, Partial, Replicate, Shard, comm_between
+from fastpipe.builder.dimops.registry import (
     annotation_for,
     call_slots,
     input_shapes_for,
     register_annotation,
     unregister_annotation,
 )
-from fastpipe.build.dimops.split import SplitPlan, split
-from fastpipe.build.dimops.custom import dimop
+from fastpipe.builder.dimops.split import SplitPlan, split
+from fastpipe.builder.dimops.custom import dimop
 
 __all__ = [
     "AnnotationError",

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fastpipe.build.graph_split import comm_point
-from fastpipe.build.markers import LAYOUT, REQUIRE, TRANSITION, parse_spec
+from fastpipe.builder.graph_split import comm_point
+from fastpipe.builder.markers import LAYOUT, REQUIRE, TRANSITION, parse_spec
 
 aten = torch.ops.aten
 # ops linear in their first input: a partial sum stays a partial sum through them
@@ -41,7 +41,7 @@ def _keeps_partial(n: fx.Node, src: fx.Node) -> bool:
 
 def apply_sharding(gm: fx.GraphModule, rank: int, tp: int) -> int:
     """Rewrite markers in place; return the number of comm points inserted."""
-    from fastpipe.build.dimops import Replicate, comm_between
+    from fastpipe.builder.dimops import Replicate, comm_between
 
     count = 0
     for t in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is TRANSITION]:

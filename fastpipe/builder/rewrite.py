@@ -17,9 +17,9 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from fastpipe.build import markers
-from fastpipe.build.sources import Source
-from fastpipe.build.tp_layers import ColumnLinear, RowLinear, VocabEmbedding
+from fastpipe.builder import markers
+from fastpipe.builder.sources import Source
+from fastpipe.builder.tp_layers import ColumnLinear, RowLinear, VocabEmbedding
 
 log = logging.getLogger("fastpipe")
 

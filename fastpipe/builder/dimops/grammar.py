@@ -44,7 +44,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
-from fastpipe.build.dimops.errors import AnnotationError, anno_error
+from fastpipe.builder.dimops.errors import AnnotationError, anno_error
 
 REDUCTIONS = ("", "+", "^")
 STAR = "*"

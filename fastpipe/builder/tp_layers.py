@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpipe.build import markers
-from fastpipe.build.sources import Source
+from fastpipe.builder import markers
+from fastpipe.builder.sources import Source
 
 
 def _meta_param(shape) -> nn.Parameter:

@@ -31,10 +31,10 @@ from typing import Callable
 
 import torch
 
-from fastpipe.build.dimops.errors import AnnotationError
-from fastpipe.build.dimops.grammar import Annotation, parse
-from fastpipe.build.dimops.infer import infer_shapes
-from fastpipe.build.dimops.registry import annotation_for, input_shapes_for, register_annotation
+from fastpipe.builder.dimops.errors import AnnotationError
+from fastpipe.builder.dimops.grammar import Annotation, parse
+from fastpipe.builder.dimops.infer import infer_shapes
+from fastpipe.builder.dimops.registry import annotation_for, input_shapes_for, register_annotation
 
 DEFAULT_NAMESPACE = "fastpipe_user"
 

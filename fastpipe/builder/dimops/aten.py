@@ -2,7 +2,7 @@
 
 Fixed annotations are strings; ops whose annotation depends on their
 arguments (ranks, dims, target shapes) have factories ``fn(*args, **kwargs)``
-(see :mod:`fastpipe.build.dimops.registry`). A factory returns ``None`` for a
+(see :mod:`fastpipe.builder.dimops.registry`). A factory returns ``None`` for a
 call it cannot describe (chiefly a 0-d output, which annotations cannot
 write, or arguments torch itself would reject); such a call has no
 annotation, and a builder must not split it.
@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from fastpipe.build.dimops.registry import register_annotation
+from fastpipe.builder.dimops.registry import register_annotation
 
 aten = torch.ops.aten
 

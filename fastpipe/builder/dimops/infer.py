@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fastpipe.build.dimops.errors import AnnotationError, anno_error
-from fastpipe.build.dimops.grammar import Annotation, Dim, TensorAnno, format_annotation, parse
+from fastpipe.builder.dimops.errors import AnnotationError, anno_error
+from fastpipe.builder.dimops.grammar import Annotation, Dim, TensorAnno, format_annotation, parse
 
 Shape = tuple[int, ...]
 

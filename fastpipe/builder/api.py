@@ -14,9 +14,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fastpipe import dtypes
 from fastpipe.atomic import write_text
-from fastpipe.build.emit import Emitter, IOSpec, RankGraph, StoredParam
-from fastpipe.build.rewrite import shard_module
-from fastpipe.build.sharding import apply_sharding
+from fastpipe.builder.emit import Emitter, IOSpec, RankGraph, StoredParam
+from fastpipe.builder.rewrite import shard_module
+from fastpipe.builder.sharding import apply_sharding
 from fastpipe.format import parse_pipeline
 from fastpipe.validate import validate_structure
 
@@ -112,7 +112,7 @@ def build(module: nn.Module, example_inputs: Sequence[torch.Tensor], *, tp: int 
     """Split a plain PyTorch module into a tp x pp pipeline.
 
     `plan` maps submodule names to "column" / "column_gather" / "row" / "vocab" (see
-    fastpipe.build.rewrite); `split_points` names the pp-1 submodules each new stage starts
+    fastpipe.builder.rewrite); `split_points` names the pp-1 submodules each new stage starts
     at. The module's own weights are written beside the pipeline (weights.safetensors) and
     every constant is a slice of them. Parameters several stages use are replicated on each
     (each stage reads its slice), unless named in `transmit`: then the first stage holds them

@@ -11,7 +11,7 @@
 They are identity functions (a copy, since custom ops may not alias) registered
 as torch ops in the `fastpipe` namespace, so make_fx records them as nodes and
 never inlines them. The sharding pass turns a layout/require mismatch into a
-comm supertask (fastpipe.build.dimops.comm_between); the splitter turns
+comm supertask (fastpipe.builder.dimops.comm_between); the splitter turns
 pipe_split into a stage boundary. None of them survives into a pipeline.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _(x, src, dst, tp):
 
 def transition_shape(shape: tuple[int, ...], src: str, dst: str, tp: int) -> tuple[int, ...]:
     """The local shape after the communication from layout `src` to `dst` over tp ranks."""
-    from fastpipe.build.dimops import comm_between
+    from fastpipe.builder.dimops import comm_between
     from fastpipe.comm.shapes import comm_output_shape
 
     comm = comm_between(parse_spec(src), parse_spec(dst))
@@ -87,7 +87,7 @@ MARKERS = (LAYOUT, REQUIRE, PIPE_SPLIT, TRANSITION)
 
 def parse_spec(spec: str):
     """'partial:sum' -> Partial('sum'); 'shard:2' -> Shard(2); 'replicate' -> Replicate()."""
-    from fastpipe.build.dimops import Partial, Replicate, Shard
+    from fastpipe.builder.dimops import Partial, Replicate, Shard
 
     kind, _, arg = spec.partition(":")
     if kind == "replicate":

@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
-from fastpipe.build.dimops.errors import AnnotationError
+from fastpipe.builder.dimops.errors import AnnotationError
 
 PARTIAL_OPS = ("sum", "avg", "max", "min")
 

@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 
 from fastpipe import dtypes
-from fastpipe.build.graph_split import Segments, comm_point, split_graph
-from fastpipe.build.markers import PIPE_SPLIT
-from fastpipe.build.sources import Source
+from fastpipe.builder.graph_split import Segments, comm_point, split_graph
+from fastpipe.builder.markers import PIPE_SPLIT
+from fastpipe.builder.sources import Source
 from fastpipe.payload import encode_payload
 
 

@@ -16,7 +16,7 @@ import operator
 
 import torch.fx as fx
 
-from fastpipe.build.markers import PIPE_SPLIT
+from fastpipe.builder.markers import PIPE_SPLIT
 
 
 def comm_point(x, comm):  # pragma: no cover - never executed: replaced by a comm supertask

@@ -1,4 +1,4 @@
-"""The one error class of :mod:`fastpipe.build.dimops`.
+"""The one error class of :mod:`fastpipe.builder.dimops`.
 
 Every refusal (a malformed annotation, shapes that disagree with one, a split
 that is not allowed, an op call that does not match its annotation) raises

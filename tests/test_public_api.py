@@ -1,0 +1,56 @@
+"""The public names of ``fastpipe`` stay what they are, whatever else gets imported.
+
+A subpackage whose name equals a public function (``fastpipe/build/`` beside
+``fastpipe.build(...)``) is rebound over that function as soon as any of its submodules
+is imported, so ``fastpipe.build(...)`` worked once and then raised
+``TypeError: 'module' object is not callable``.
+"""
+import importlib
+import importlib.util
+import pkgutil
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fastpipe
+import fastpipe.builder
+
+
+class Block(nn.Module):
+    """tests/test_build_core.py's smallest TP case: a column- then a row-parallel linear."""
+
+    def __init__(self, d=8, h=16):
+        super().__init__()
+        self.fc1, self.fc2, self.ln = nn.Linear(d, h), nn.Linear(h, d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.ln(x + self.fc2(F.gelu(self.fc1(x))))
+
+
+def _import_every_builder_module():
+    for info in pkgutil.walk_packages(fastpipe.builder.__path__, prefix="fastpipe.builder."):
+        importlib.import_module(info.name)
+
+
+def test_no_submodule_shares_a_public_name():
+    for name in fastpipe.__all__:
+        assert importlib.util.find_spec(f"fastpipe.{name}") is None, (
+            f"fastpipe.{name} is both a public name and a submodule: importing the submodule rebinds the name")
+
+
+def test_build_twice_in_one_process(tmp_path):
+    _import_every_builder_module()
+    assert callable(fastpipe.build) and not isinstance(fastpipe.build, type(fastpipe))
+    torch.manual_seed(0)
+    m = Block().eval()
+    x = torch.randn(5, 8)
+    plan = {"fc1": "column", "fc2": "row"}
+    first = fastpipe.build(m, (x,), tp=2, plan=plan)
+    second = fastpipe.build(m, (x,), tp=2, plan=plan)      # raised TypeError with fastpipe/build/
+    assert first.doc == second.doc
+    with torch.no_grad():
+        ref = m(x)
+    for i, built in enumerate((first, second)):
+        out = fastpipe.load(built.save(tmp_path / f"out{i}")).run({"input_0": x})
+        torch.testing.assert_close(out["output"], ref, rtol=1e-4, atol=1e-5)
