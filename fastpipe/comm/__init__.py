@@ -1,10 +1,12 @@
 """Communication kinds (SPEC "Comm semantics").
 
 ``fastpipe.comm.reference`` is the plain-torch oracle every other
-implementation is tested against; ``fastpipe.comm.reduce_ops`` names the
-reduce ops and accepts every spelling producers wrote for them.
+implementation is tested against. The reduce ops with every spelling producers
+wrote for them, and each kind's output shape, are rules of the format
+(``fastpipe.format.reduce_ops``, ``fastpipe.format.comm_shapes``): this package and
+``fastpipe.comm.reduce_ops`` re-export the reduce ops, ``fastpipe.comm.shapes`` the
+shape rule.
 """
-from fastpipe.comm.reduce_ops import REDUCE_OP_SPELLINGS, REDUCE_OPS, canonical_reduce_op
 from fastpipe.comm.reference import (
     all_gather,
     all_reduce,
@@ -14,6 +16,11 @@ from fastpipe.comm.reference import (
     reduce,
     reduce_scatter,
     send_recv,
+)
+from fastpipe.format.reduce_ops import (
+    REDUCE_OP_SPELLINGS,
+    REDUCE_OPS,
+    canonical_reduce_op,
 )
 
 __all__ = [

@@ -24,7 +24,7 @@ Conventions shared by every function
 
 Reductions (all_reduce, reduce, reduce_scatter)
 -----------------------------------------------
-``op`` is any spelling :func:`fastpipe.comm.reduce_ops.canonical_reduce_op`
+``op`` is any spelling :func:`fastpipe.format.reduce_ops.canonical_reduce_op`
 accepts; the four ops are ``sum``, ``avg``, ``max``, ``min``. Precisely:
 
 1. Every input is moved to one working device, the device of participant 0's
@@ -61,7 +61,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fastpipe.comm.reduce_ops import canonical_reduce_op
+from fastpipe.format.reduce_ops import canonical_reduce_op
 
 __all__ = [
     "all_reduce",

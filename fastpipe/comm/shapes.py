@@ -1,17 +1,5 @@
-"""The output shape of each comm kind, from its input shape (SPEC §1 "Comm semantics")."""
-from __future__ import annotations
+"""Re-exports :func:`fastpipe.format.comm_shapes.comm_output_shape`: each comm kind's
+output shape is a rule of the format, kept there so the validator needs no comm code."""
+from fastpipe.format.comm_shapes import comm_output_shape
 
-from typing import Mapping, Sequence
-
-
-def comm_output_shape(kind: str, in_shape: Sequence[int], n: int, params: Mapping[str, int]) -> tuple[int, ...]:
-    """Shape of a participant's output for a group of n; `params` holds non-negative dims."""
-    out = list(in_shape)
-    if kind in ("all_gather", "gather"):
-        out[params["dim"]] *= n
-    elif kind == "reduce_scatter":
-        out[params["dim"]] //= n
-    elif kind == "all_to_all":
-        out[params["src_dim"]] //= n
-        out[params["dst_dim"]] *= n
-    return tuple(out)
+__all__ = ["comm_output_shape"]

@@ -40,6 +40,7 @@ from typing import Callable
 from fastpipe import dtypes
 from fastpipe.errors import FormatError, key_path
 from fastpipe.format.model import Device, Metadata, OriginalTensor, ParamFile, Pipeline, SuperTask, TensorSlice
+from fastpipe.format.reduce_ops import canonical_reduce_op
 
 SCHEMA_VERSION = "0.1.0"
 _DECIMAL = re.compile(r"0|[1-9][0-9]*")
@@ -235,8 +236,6 @@ _RED_OP_VALUE = {"sum": 0, "avg": 1, "min": 3, "max": 4}     # torch's ReduceOp.
 
 
 def _comm_metadata(st: SuperTask) -> dict:
-    from fastpipe.comm.reduce_ops import canonical_reduce_op
-
     out = {}
     for k, v in (st.metadata or {}).items():
         if k == "reduce_op":

@@ -14,11 +14,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fastpipe import dtypes
-from fastpipe.comm.reduce_ops import canonical_reduce_op
-from fastpipe.comm.shapes import comm_output_shape
 from fastpipe.errors import ValidationError, key_path
+from fastpipe.format.comm_shapes import comm_output_shape
 from fastpipe.format.fields import show
 from fastpipe.format.model import COMM_METADATA_KEYS, Pipeline, SuperTask
+from fastpipe.format.reduce_ops import canonical_reduce_op
 
 
 @dataclass(frozen=True)
