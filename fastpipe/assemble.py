@@ -17,12 +17,12 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fastpipe import dtypes
-from fastpipe.comm.shapes import comm_output_shape
+from fastpipe.format.comm_shapes import comm_output_shape
 from fastpipe.payload import encode_payload
+from fastpipe.torch_compat import FakeTensorMode
 
 
 class Assembler:

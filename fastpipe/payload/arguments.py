@@ -18,6 +18,7 @@ from fastpipe.payload.schema_enums import (
     SCALAR_TYPE_TO_DTYPE,
     make_device,
 )
+from fastpipe.torch_compat import OpOverload
 
 Lookup = Callable[[str, str], torch.fx.Node]
 POSITIONAL, KEYWORD = 1, 2
@@ -154,7 +155,7 @@ def check_type(r: Reader, schema_arg: Any, value: Any, path: str) -> None:
 
 
 def place(
-    r: Reader, op: torch._ops.OpOverload, provided: dict[str, tuple[Any, int | None, str]], path: str
+    r: Reader, op: OpOverload, provided: dict[str, tuple[Any, int | None, str]], path: str
 ) -> tuple[tuple, dict]:
     """Split ``{name: (value, kind, json_path)}`` into call args/kwargs by ``op``'s schema."""
     schema_args = list(op._schema.arguments)

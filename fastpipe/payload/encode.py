@@ -27,6 +27,7 @@ from fastpipe.payload.schema_enums import (
     device_json,
 )
 from fastpipe.payload.targets import resolve, target_name
+from fastpipe.torch_compat import OpOverload
 
 _WHERE = "encode_payload"
 
@@ -49,7 +50,7 @@ def _is_multi_output(node: Any) -> bool:
         return False
     if node.target is operator.getitem:
         return _is_multi_output(node.args[0])
-    if not isinstance(node.target, torch._ops.OpOverload):
+    if not isinstance(node.target, OpOverload):
         return False
     returns = node.target._schema.returns
     return len(returns) > 1 or (len(returns) == 1 and _is_tensor_list(returns[0].type))
@@ -282,7 +283,7 @@ class _Encoder:
                 if not _is_multi_output(n.args[0]):
                     raise _fail(n, "getitem of a multi-output operator", f"getitem of {n.args[0]!r}")
                 continue
-            if not isinstance(n.target, torch._ops.OpOverload):
+            if not isinstance(n.target, OpOverload):
                 raise _fail(n, "a torch.ops operator overload", repr(getattr(n.target, "__name__", n.target)))
             name = target_name(n.target)
             try:

@@ -12,10 +12,10 @@ from typing import Any, Sequence
 import contextlib
 import logging
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fastpipe.errors import PayloadError
 from fastpipe.payload.decoded import DecodedGraph, TensorMeta
+from fastpipe.torch_compat import FAKE_TENSOR_LOGGER, FakeTensorMode
 
 Spec = tuple[tuple[int, ...], torch.dtype, "tuple[int, ...] | None", torch.device]
 
@@ -67,7 +67,7 @@ class FakeRunError(Exception):
 def _quiet_fake_tensor_log():
     """torch's fake_tensor logger prints a traceback for an op that fails on fake inputs; the
     failure is ours to report (one line, with the payload path), so keep that logger quiet."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     old = logger.disabled
     logger.disabled = True
     try:

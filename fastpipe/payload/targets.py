@@ -1,7 +1,7 @@
 """Which call targets a payload may name, and how they are resolved.
 
 A target is ``torch.ops.<ns>.<op>.<overload>`` (identifiers only, no dunders)
-with ``<ns>`` in the allow-list, resolving to a ``torch._ops.OpOverload``;
+with ``<ns>`` in the allow-list, resolving to an ``OpOverload`` (``fastpipe.torch_compat``);
 or ``operator.getitem`` / ``_operator.getitem``. Nothing else is looked up.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import threading
 import torch
 
 from fastpipe.errors import PayloadError
+from fastpipe.torch_compat import OpOverload
 
 DEFAULT_NAMESPACES = frozenset({"aten", "prims", "fastpipe"})
 GETITEM_NAMES = frozenset({"operator.getitem", "_operator.getitem"})
@@ -54,7 +55,7 @@ def _expected() -> str:
     return f"a torch.ops target in namespaces {names} (or operator.getitem)"
 
 
-def _is_denied(op: torch._ops.OpOverload) -> bool:
+def _is_denied(op: OpOverload) -> bool:
     schema = op._schema
     if schema.name in _DENIED_OPS:
         return True
@@ -80,7 +81,7 @@ def resolve(target: object, where: str) -> object:
         op = getattr(packet, overload)
     except Exception:  # unknown operator or overload: torch raises several types
         op = None
-    if not isinstance(op, torch._ops.OpOverload) or op.namespace != ns:
+    if not isinstance(op, OpOverload) or op.namespace != ns:
         raise PayloadError(f"{where}: expected an operator overload registered in torch.ops, found {shown}")
     if _is_denied(op):
         raise PayloadError(f"{where}: expected an operator without file side effects, found {shown}")
@@ -91,7 +92,7 @@ def target_name(op: object) -> str:
     """The serialized spelling of an OpOverload (inverse of :func:`resolve`)."""
     if op is operator.getitem:
         return "_operator.getitem"
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         raise TypeError(f"not an OpOverload: {op!r}")
     ns, name = op._schema.name.split("::", 1)
     overload = op._schema.overload_name or "default"
