@@ -1,4 +1,5 @@
-"""fastpipe.kernels.all_gather_matmul: the fused kernel, its reference and the overlapped variant.
+"""fastpipe.kernels.all_gather_matmul (fastpipe/kernels/all_gather_mm_kernel.py): the fused kernel,
+its reference and the overlapped variant.
 
 Without CUDA the Triton kernels run under TRITON_INTERPRET=1 (set below, before triton is
 imported). Every result is compared with an independent float64 computation,
@@ -21,7 +22,8 @@ from fastpipe.kernels import (  # noqa: E402
     all_gather_matmul_overlapped,
     all_gather_matmul_reference,
 )
-from fastpipe.kernels.matmul_reduce_scatter import interpreting  # noqa: E402
+from fastpipe.kernels import all_gather_mm_kernel as agm  # noqa: E402
+from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -135,9 +137,6 @@ def test_overlapped_on_one_device_matches_float64(dtype, n, dim):
 
 def test_overlapped_ring_order(monkeypatch):
     """Participant j multiplies its own shard first, then (j-1) % n, (j-2) % n, ..."""
-    import sys
-
-    agm = sys.modules["fastpipe.kernels.all_gather_matmul"]
     calls = []
     real = agm._mm_into
 

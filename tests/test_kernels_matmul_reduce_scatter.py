@@ -1,4 +1,5 @@
-"""fastpipe.kernels.matmul_reduce_scatter: the fused kernel, its reference and the overlapped variant.
+"""fastpipe.kernels.matmul_reduce_scatter (fastpipe/kernels/mm_reduce_scatter_kernel.py): the fused
+kernel, its reference and the overlapped variant.
 
 Without CUDA the Triton kernel runs under TRITON_INTERPRET=1 (set below, before triton is
 imported), on small irregular shapes. Every result is compared with an independent float64
@@ -36,18 +37,13 @@ from fastpipe.kernels import (  # noqa: E402
     matmul_reduce_scatter_reference,
     pick_config,
 )
-from fastpipe.kernels.matmul_reduce_scatter import interpreting, launch_mm_sum  # noqa: E402
+from fastpipe.kernels import mm_reduce_scatter_kernel as mrs  # noqa: E402
+from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting, launch_mm_sum  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: (1e-5, 2e-6), torch.float16: (1e-3, 1e-6), torch.bfloat16: (1.6e-2, 1e-6)}
-
-
-def _mrs():
-    import sys
-
-    return sys.modules["fastpipe.kernels.matmul_reduce_scatter"]
 
 
 def test_kernels_run_here():
@@ -221,7 +217,6 @@ def test_overlapped_avg_and_transfer_dtype(dtype):
 
 def test_overlapped_ring_order():
     """Participant i produces chunk (i+1) % n first and its own chunk last."""
-    mrs = _mrs()
     calls = []
     real = mrs.mm_f32
 
@@ -301,7 +296,7 @@ def test_fused_needs_one_device():
 
 @pytest.mark.skipif(CUDA, reason="CPU tensors without the interpreter: only meaningful without CUDA")
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
-    monkeypatch.setattr(_mrs(), "interpreting", lambda: False)
+    monkeypatch.setattr(mrs, "interpreting", lambda: False)
     a, b = _ok()
     with pytest.raises(KernelUnavailable, match="TRITON_INTERPRET=1"):
         matmul_reduce_scatter(a, b)
@@ -319,7 +314,6 @@ def test_interpreter_config_is_small():
 
 def test_hopper_config_heuristic(monkeypatch):
     """The documented GPU rule, evaluated here with an H100's 132 SMs."""
-    mrs = _mrs()
     monkeypatch.setattr(mrs, "interpreting", lambda: False)
     monkeypatch.setattr(mrs, "_num_sms", lambda device: 132)
     big = pick_config(8192, 4096, 4096, torch.bfloat16, "cuda")
@@ -412,8 +406,8 @@ try:
 except Exception as e:  # noqa: BLE001
     print(f"SKIP: this triton cannot compile without a GPU here: {type(e).__name__}: {e}")
     sys.exit(0)
-from fastpipe.kernels.matmul_reduce_scatter import _mm_sum_kernel
-from fastpipe.kernels.all_gather_matmul import _gather_rows_kernel
+from fastpipe.kernels.mm_reduce_scatter_kernel import _mm_sum_kernel
+from fastpipe.kernels.all_gather_mm_kernel import _gather_rows_kernel
 
 bf = torch.bfloat16
 a = [torch.empty(4096, 1024, dtype=bf) for _ in range(2)]

@@ -34,9 +34,26 @@ def _import_every_builder_module():
 
 
 def test_no_submodule_shares_a_public_name():
-    for name in fastpipe.__all__:
-        assert importlib.util.find_spec(f"fastpipe.{name}") is None, (
-            f"fastpipe.{name} is both a public name and a submodule: importing the submodule rebinds the name")
+    import fastpipe.kernels
+
+    for package in (fastpipe, fastpipe.kernels):
+        for name in package.__all__:
+            full = f"{package.__name__}.{name}"
+            assert importlib.util.find_spec(full) is None, (
+                f"{full} is both a public name and a submodule: importing the submodule rebinds the name")
+
+
+def test_kernel_names_stay_functions_after_their_modules_load():
+    """fastpipe/runtime/fuse.py calls ``kernels.matmul_reduce_scatter(...)`` after ``from fastpipe import kernels``."""
+    from fastpipe import kernels
+
+    for info in pkgutil.iter_modules(kernels.__path__, prefix="fastpipe.kernels."):
+        importlib.import_module(info.name)
+    for name in ("matmul_reduce_scatter", "all_gather_matmul", "matmul_reduce_scatter_reference",
+                 "all_gather_matmul_reference", "matmul_reduce_scatter_overlapped", "all_gather_matmul_overlapped",
+                 "fused_is_faster", "pick_config"):
+        assert callable(getattr(kernels, name)) and not isinstance(getattr(kernels, name), type(kernels)), name
+    assert set(kernels.__all__) <= set(dir(kernels))
 
 
 def test_build_twice_in_one_process(tmp_path):

@@ -10,7 +10,7 @@ participant needs the whole activation times its own weight columns ``b[j]``. Th
    straight from the shard that holds them (a tile may span shards when M_i is not a
    multiple of BLOCK_M; each row picks its own shard's pointer). dim 1 (shards along K)
    is a sum of products over K-slices -- exactly the kernel of
-   :mod:`fastpipe.kernels.matmul_reduce_scatter`, with ``b[j]`` cut into row slices
+   :mod:`fastpipe.kernels.mm_reduce_scatter_kernel`, with ``b[j]`` cut into row slices
    (views, no copies) and one plain output.
 3. :func:`all_gather_matmul` -- the launcher: validates, picks block sizes, one launch per
    output j.
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fastpipe.kernels.matmul_reduce_scatter import (
+from fastpipe.kernels.mm_reduce_scatter_kernel import (
     KernelConfig,
     _input_precision,
     _norm_dim,
@@ -89,7 +89,7 @@ if triton is not None:
         SAME_SAK: tl.constexpr,  # every shard has the same K stride (then loads vectorize along K)
         ROW_ALIGN: tl.constexpr, # bytes every row start is a multiple of (16, or 1: unknown)
         INPUT_PRECISION: tl.constexpr,
-        DOT_F32: tl.constexpr,   # interpreter + bf16 only (see matmul_reduce_scatter.dot_f32)
+        DOT_F32: tl.constexpr,   # interpreter + bf16 only (see mm_reduce_scatter_kernel.dot_f32)
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         """C[tile] = cat(A; 0)[rows] @ B[:, cols]; row r comes from shard r // M_SHARD."""
