@@ -1,4 +1,8 @@
-"""Compute supertasks: decode each payload and check it against the supertask.
+"""Compute supertasks: decode each payload and check it against the supertask (reads files).
+
+Payloads come through sources.payload_text (inline, or read from their side file) and
+are decoded with torch (fastpipe.payload); this is the file layer of validation, not a
+pure-data rule.
 
 The decoded graph must have as many inputs/outputs as the supertask, declare
 the same shapes and dtypes, and fake-tensor propagation from the supertask's
