@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastpipe.errors import InvalidInput
-from fastpipe.tiling import (
+from fastpipe.builder.tiling import (
     CommStep, Tiling, TilingError, Topology, TopologyError, format_tiling, infer_comm, input_layout, mesh,
     parse_tiling, parse_topology, placements, ring, star, tile, tiles_by_instance, topology_to_json, torus, tree,
 )
+from fastpipe.errors import InvalidInput
 
 FAST = settings(max_examples=150, deadline=None)
 

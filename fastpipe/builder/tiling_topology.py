@@ -5,7 +5,7 @@ are undirected: the map must be symmetric (``j in map[i]`` iff ``i in map[j]``);
 self loops and repeated neighbours are refused. A topology need not be
 connected. Builders (``ring``, ``mesh``, ``torus``, ``star``, ``tree``) return
 validated topologies with each neighbour list sorted ascending. Re-exported by
-``fastpipe.tiling``.
+``fastpipe.builder.tiling``.
 
 JSON form (``parse_topology`` / ``topology_to_json``)::
 

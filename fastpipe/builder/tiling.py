@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from fastpipe.errors import InvalidInput
-from fastpipe.tiling_topology import (  # noqa: F401  (re-exported API)
+from fastpipe.builder.tiling_topology import (  # noqa: F401  (re-exported API)
     Topology, TopologyError, mesh, parse_topology, ring, star, topology_to_json, torus, tree,
 )
 
