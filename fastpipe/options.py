@@ -1,7 +1,27 @@
-"""What the caller allows when loading a pipeline (all off by default)."""
+"""What the caller chooses when loading and running a pipeline: two frozen, validated dataclasses.
+
+    LoadOptions(allow_outside_paths=False, trust_export_archives=False, check_payloads=True)
+    RunOptions(processor="reference", compile=False, compile_policy="warn", cuda_graph=True,
+               fuse="auto", slot_ranks=None, dist_timeout=None)
+
+Both check their fields on construction and raise InputError, one line naming the field
+(`fuse: expected auto, off or always, found "yes"`). `fastpipe.load(...)` takes the same
+names as keywords and builds these; the CLI builds them from its flags.
+"""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Mapping
+
+from fastpipe.errors import InputError
+
+PROCESSORS = ("auto", "reference", "cpu", "cuda", "dist")
+
+
+def _flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise InputError(f"{name}: expected true or false, found {value!r}")
 
 
 @dataclass(frozen=True)
@@ -12,3 +32,54 @@ class LoadOptions:
     """Allow torch.export archives, whose loader can unpickle (i.e. run code from the file)."""
     check_payloads: bool = True
     """Decode every graph payload and propagate shapes with fake tensors during validation."""
+
+    def __post_init__(self):
+        for name in ("allow_outside_paths", "trust_export_archives", "check_payloads"):
+            _flag(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    processor: str = "reference"
+    """auto | reference | cpu | cuda | dist. "auto": dist under torchrun (WORLD_SIZE set), else cuda
+    when every slot is on a GPU, else cpu (see choose_processor)."""
+    compile: bool = False
+    """Run every fx supertask through torch.compile (inductor)."""
+    compile_policy: str = "warn"
+    """A graph (or CUDA-graph capture) that cannot be compiled: "warn" runs it eagerly with a warning; "raise"."""
+    cuda_graph: bool = True
+    """cuda processor: capture the whole run as one CUDA graph and replay it."""
+    fuse: str = "auto"
+    """matmul->reduce_scatter and all_gather->matmul as fused Triton kernels: "auto" (one CUDA device,
+    above the size threshold), "always", "off" (fastpipe.runtime.fuse)."""
+    slot_ranks: Mapping[str, int] | None = None
+    """dist processor: slot -> rank (default: contiguous blocks of slots)."""
+    dist_timeout: float | None = None
+    """dist processor: seconds any collective may wait (default 120)."""
+
+    def __post_init__(self):
+        if self.processor not in PROCESSORS:
+            raise InputError(f"processor: expected one of {', '.join(PROCESSORS)}, found \"{self.processor}\"")
+        _flag("compile", self.compile)
+        if self.compile_policy not in ("warn", "raise"):
+            raise InputError(f"compile_policy: expected warn or raise, found \"{self.compile_policy}\"")
+        _flag("cuda_graph", self.cuda_graph)
+        if self.fuse not in ("auto", "off", "always"):
+            raise InputError(f"fuse: expected auto, off or always, found \"{self.fuse}\"")
+        if self.slot_ranks is not None and self.processor not in ("dist", "auto"):
+            raise InputError(f"slot_ranks: expected processor=\"dist\", found processor=\"{self.processor}\"")
+        t = self.dist_timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise InputError(f"dist_timeout: expected a number of seconds > 0, found {t!r}")
+
+
+def choose_processor(requested: str, slot_devices: Mapping, environ: Mapping[str, str] | None = None) -> str:
+    """The processor to run: `requested` unless "auto"; auto is "dist" in a torchrun-launched process
+    (WORLD_SIZE set), else "cuda" when every slot is on a CUDA device, else "cpu"."""
+    if requested != "auto":
+        return requested
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" in env:
+        return "dist"
+    devices = list(slot_devices.values())
+    return "cuda" if devices and all(d.type == "cuda" for d in devices) else "cpu"

@@ -89,9 +89,9 @@ class ModelSet:
         """Bytes of distinct constant storage held by all buckets together (shared slices count once)."""
         seen: dict[int, int] = {}
         for b in self.buckets:
-            for st in b.session.steps:
-                for r in st.reads:
-                    if isinstance(r, torch.Tensor):
+            for ss in b.session.program.steps.values():
+                for st in ss:
+                    for r in st.constants.values():
                         seen[r.untyped_storage().data_ptr() + r.storage_offset() * r.element_size()] = r.nbytes
         return sum(seen.values())
 

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fastpipe
+from fastpipe.cli import dist as cli_dist
 from fastpipe.errors import InputError
 from fastpipe.runtime import dist_setup
 from fastpipe.runtime.dist_processor import _acc, _Group, _unwire, _wire
@@ -332,9 +333,9 @@ def test_check_slot_ranks(mapping, world, message):
 
 
 def test_child_argv_drops_nproc():
-    assert dist_setup.child_argv(["run", "p.json", "--nproc", "2", "--no-compile"]) == ["run", "p.json", "--no-compile"]
-    assert dist_setup.child_argv(["-v", "run", "p.json", "--nproc=4"]) == ["-v", "run", "p.json"]
-    assert dist_setup.child_argv(["run", "p.json", "--npr", "2"]) == ["run", "p.json"]
+    assert cli_dist.child_argv(["run", "p.json", "--nproc", "2", "--no-compile"]) == ["run", "p.json", "--no-compile"]
+    assert cli_dist.child_argv(["-v", "run", "p.json", "--nproc=4"]) == ["-v", "run", "p.json"]
+    assert cli_dist.child_argv(["run", "p.json", "--npr", "2"]) == ["run", "p.json"]
 
 
 def test_dist_needs_a_launched_process(monkeypatch):

@@ -1,5 +1,6 @@
 """fastpipe.lower: Pipeline -> Program, the checker/simulator, the step x slot table, buffer sizes."""
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -7,7 +8,7 @@ from hypothesis import strategies as st
 
 from fastpipe.errors import ValidationError
 from fastpipe.format import parse_pipeline, read_pipeline
-from fastpipe.lower import (Action, Program, ProgramError, ProgStep, check_program, format_table, lower,
+from fastpipe.lower import (Action, Program, ProgramError, Step, check_program, format_table, lower,
                             parse_action, parse_table, simulate)
 from fastpipe.validate import validate_structure
 from tests.docs import tp_doc
@@ -143,11 +144,11 @@ def test_peak_bytes_keep_comm_inputs_alive():
 
 # ------------------------------------------------------------------------------ the checker refuses
 def comm(slot, group, sid=None, waits=()):
-    return ProgStep(slot, "comm", sid or f"{group}{slot}", group=group, waits=tuple(waits))
+    return Step(slot, "comm", sid or f"{group}{slot}", group=group, waits=tuple(waits))
 
 
 def compute(slot, sid, waits=()):
-    return ProgStep(slot, "compute", sid, waits=tuple(waits))
+    return Step(slot, "compute", sid, waits=tuple(waits))
 
 
 def refused(program, message, marks=None, fn=check_program):
@@ -230,16 +231,21 @@ def test_refuses_against_the_pipeline():
     assert str(e.value) == ('program: slot "0" step 0 (supertask "2") reads "p_0" before any earlier step on slot "0" '
                             'produces it') and e.value.marks == {"0": 0}
     check_program(swapped)                               # structurally fine: only the pipeline knows
+    # a pass that renames what a step writes must rename its readers too: the checker reads the steps
+    renamed = Program(good.slots, {**good.steps, "0": (replace(s0[0], writes=("p_0#renamed", "pb_0")), *s0[1:])},
+                      good.groups)
+    with pytest.raises(ProgramError, match=r'^program: slot "0" step 1 \(supertask "2"\) reads "p_0" before'):
+        check_program(renamed, c)
     # freeing too early, freeing a pipeline output, never freeing
-    early = Program(good.slots, {**good.steps, "0": (s0[0], ProgStep("0", "compute", "2", frees=("p_0", "pb_0")),
+    early = Program(good.slots, {**good.steps, "0": (s0[0], replace(s0[1], frees=("p_0", "pb_0")),
                                                      *s0[2:])}, good.groups)
     with pytest.raises(ProgramError, match=r'^program: slot "0" step 2 \(supertask "4"\) reads "pb_0", freed after step 1$'):
         check_program(early, c)
-    out = Program(good.slots, {**good.steps, "0": (*s0[:4], ProgStep("0", "comm", "8", "red0", s0[4].waits, ("d_0", "y")))},
+    out = Program(good.slots, {**good.steps, "0": (*s0[:4], replace(s0[4], frees=("d_0", "y")))},
                   good.groups)
     with pytest.raises(ProgramError, match=r'^program: slot "0" step 4 frees pipeline output "y"$'):
         check_program(out, c)
-    leak = Program(good.slots, {**good.steps, "0": (*s0[:4], ProgStep("0", "comm", "8", "red0", s0[4].waits))},
+    leak = Program(good.slots, {**good.steps, "0": (*s0[:4], replace(s0[4], frees=()))},
                    good.groups)
     with pytest.raises(ProgramError, match=r'^program: slot "0" never frees "d_0"$'):
         check_program(leak, c)

@@ -140,7 +140,7 @@ def test_failing_request_does_not_poison(buckets):
 def test_close_frees_weights(buckets):
     paths, _ = buckets
     models = ModelSet(paths[:2])
-    ref = weakref.ref(next(r for st in models.buckets[0].session.steps for r in st.reads if isinstance(r, torch.Tensor)))
+    ref = weakref.ref(next(r for ss in models.buckets[0].session.program.steps.values() for st in ss for r in st.constants.values()))
     assert ref() is not None
     models.close()
     gc.collect()

@@ -139,8 +139,8 @@ def test_constants_shared_between_sessions():
     store = WeightStore()
     a = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", store=store)
     b = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", store=store)
-    ca = {id(r) for s in a.steps for r in s.reads if isinstance(r, torch.Tensor)}
-    cb = {id(r) for s in b.steps for r in s.reads if isinstance(r, torch.Tensor)}
+    ca = {id(r) for ss in a.program.steps.values() for s in ss for r in s.constants.values()}
+    cb = {id(r) for ss in b.program.steps.values() for s in ss for r in s.constants.values()}
     assert ca and ca == cb
 
 

@@ -7,8 +7,8 @@
 """
 from fastpipe.lower.check import ProgramError, check_program, simulate
 from fastpipe.lower.lower import lower, tensor_bytes
-from fastpipe.lower.program import Program, ProgStep
+from fastpipe.lower.program import Program, Step
 from fastpipe.lower.table import Action, format_table, parse_action, parse_table
 
-__all__ = ["Program", "ProgStep", "lower", "check_program", "simulate", "format_table", "ProgramError",
+__all__ = ["Program", "Step", "lower", "check_program", "simulate", "format_table", "ProgramError",
            "Action", "parse_action", "parse_table", "tensor_bytes"]

@@ -23,7 +23,7 @@ slot -> step index of the offending steps, for ``format_table(program, mark=err.
 from __future__ import annotations
 
 from fastpipe.errors import ValidationError
-from fastpipe.lower.program import Program, ProgStep
+from fastpipe.lower.program import Program, Step
 from fastpipe.validate import Checked
 
 
@@ -132,7 +132,7 @@ def _run(program: Program) -> list[tuple[str, int]]:
     pos = {s: 0 for s in program.slots}          # steps completed so far on each slot
     done: list[tuple[str, int]] = []
 
-    def ready(st: ProgStep) -> bool:
+    def ready(st: Step) -> bool:
         return all(pos[ws] > wi for ws, wi in st.waits)
 
     progress = True
@@ -176,8 +176,9 @@ def _why(program: Program, pos: dict[str, int], slot: str) -> str:
 # ---------------------------------------------------------------------------------- against the pipeline
 def check_against(program: Program, checked: Checked) -> None:
     """The steps are exactly the pipeline's supertasks on their slots, groups list their members in
-    device_idx order, every read is of data ready on the slot, and frees are sound (each intermediate
-    freed once, after its last read, never a pipeline output)."""
+    device_idx order, every read (as the step will run: after binding and passes such as fusion) is
+    of data ready on the slot, and frees are sound (each intermediate freed once, after its last
+    read, never a pipeline output)."""
     p = checked.pipeline
     seen: dict[str, tuple[str, int]] = {}
     for slot in program.slots:
@@ -222,16 +223,15 @@ def _check_data(program: Program, checked: Checked) -> None:
         alive: set[str] = set()
         freed: dict[str, int] = {}
         for i, st in enumerate(program.steps[slot]):
-            pst = p.supertasks[st.supertask]
-            for t in pst.inputs:
-                if t in alive or t in given or p.tensors[t].is_constant:
+            for t in st.reads:
+                if t in alive or t in given or (t in p.tensors and p.tensors[t].is_constant):
                     continue
                 if t in freed:
                     raise ProgramError(f"program: {_at(slot, i)} (supertask \"{st.supertask}\") reads \"{t}\", "
                                        f"freed after step {freed[t]}", {slot: i})
                 raise ProgramError(f"program: {_at(slot, i)} (supertask \"{st.supertask}\") reads \"{t}\" before "
                                    f"any earlier step on slot \"{slot}\" produces it", {slot: i})
-            alive.update(pst.outputs)
+            alive.update(st.writes)
             for t in st.frees:
                 if t in outputs:
                     raise ProgramError(f"program: {_at(slot, i)} frees pipeline output \"{t}\"", {slot: i})

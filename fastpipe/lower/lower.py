@@ -2,6 +2,9 @@
 
     program = lower(validate_structure(pipeline))
 
+Each step reads its supertask's inputs and writes its outputs (for a comm step: its member's
+share); binding (fastpipe.runtime.bind) and passes (fastpipe.runtime.fuse) may change both.
+
 Ordering. ``checked.order`` is ONE dependency order of the merged nodes (a compute
 supertask, or a whole comm group counted as one node). Every slot's list is that order
 projected onto the slot: compute supertasks become "compute" steps on their slot, each
@@ -35,7 +38,7 @@ import math
 from fastpipe import dtypes
 from fastpipe.errors import ValidationError, key_path
 from fastpipe.format.model import Pipeline
-from fastpipe.lower.program import Program, ProgStep
+from fastpipe.lower.program import Program, Step
 from fastpipe.validate import Checked
 from fastpipe.validate.order import node_of
 
@@ -90,13 +93,14 @@ def lower(checked: Checked) -> Program:
                 frees.setdefault((slot, last), []).append(t)
 
     steps = {
-        slot: tuple(ProgStep(slot, kind, sid, group, waits.get((slot, i), ()), tuple(frees.get((slot, i), ())))
+        slot: tuple(Step(slot, kind, sid, group, waits.get((slot, i), ()), tuple(frees.get((slot, i), ())),
+                         tuple(p.supertasks[sid].inputs), tuple(p.supertasks[sid].outputs))
                     for i, (kind, sid, group) in enumerate(raw[slot]))
         for slot in slots
     }
     peak = {slot: _peak(p, steps[slot]) for slot in slots}
     const = {slot: sum(tensor_bytes(p, t) for t in _constants_read(p, steps[slot])) for slot in slots}
-    return Program(slots, steps, groups, peak, const)
+    return Program(slots, steps, groups, peak, const, tuple(p.input_names), tuple(p.output_names))
 
 
 def _read_on(p: Pipeline, slot: str, t: str, consumer: str, where, groups) -> int:
@@ -113,14 +117,14 @@ def _read_on(p: Pipeline, slot: str, t: str, consumer: str, where, groups) -> in
                           f"slot \"{slot}\" (or by a comm group with a member there), found slot \"{c_slot}\"")
 
 
-def _peak(p: Pipeline, steps: tuple[ProgStep, ...]) -> int:
+def _peak(p: Pipeline, steps: tuple[Step, ...]) -> int:
     live = peak = 0
     for st in steps:
-        live += sum(tensor_bytes(p, t) for t in p.supertasks[st.supertask].outputs)
+        live += sum(tensor_bytes(p, t) for t in st.writes)
         peak = max(peak, live)
         live -= sum(tensor_bytes(p, t) for t in st.frees)
     return peak
 
 
-def _constants_read(p: Pipeline, steps: tuple[ProgStep, ...]) -> set[str]:
-    return {t for st in steps for t in p.supertasks[st.supertask].inputs if p.tensors[t].is_constant}
+def _constants_read(p: Pipeline, steps: tuple[Step, ...]) -> set[str]:
+    return {t for st in steps for t in st.reads if p.tensors[t].is_constant}

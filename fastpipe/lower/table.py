@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastpipe.lower.program import Program, ProgStep
+from fastpipe.lower.program import Program, Step
 
 MARK = "!!"
 EMPTY = "."
@@ -51,7 +51,7 @@ class Action:
         return f"{MARK if self.marked else ''}{self.op}:{self.name}{waits}"
 
 
-def action_of(step: ProgStep, pipeline=None, *, marked: bool = False) -> Action:
+def action_of(step: Step, pipeline=None, *, marked: bool = False) -> Action:
     if pipeline is not None:
         op = pipeline.supertasks[step.supertask].kind
     else:

@@ -1,5 +1,13 @@
-"""Load-time binding: constants onto the devices of the slots that use them, and
-each fx graph ready to call on its slot's device."""
+"""Load-time binding: a lowered Program becomes a bound Program, the thing processors run.
+
+    program = bind(lower(checked), checked, binder)     # every slot
+    program = bind(lower(checked), checked, binder, local_slots={"0"})   # dist: this rank's slots
+
+Each step gets its slot's device and its constants (read once per process by the weight
+store, moved to the device once per binder); each compute step its callable (the fx graph
+on the slot's device, compiled when asked; a registered handler for other kinds); each comm
+group with a member to bind its plain-torch callable (fastpipe.runtime.execute.group_fn).
+"""
 from __future__ import annotations
 
 import copy
@@ -11,8 +19,10 @@ from fastpipe import dtypes
 from fastpipe.compute_handlers import required_handler
 from fastpipe.errors import PayloadError
 from fastpipe.format.model import Pipeline
+from fastpipe.lower.program import Program
 from fastpipe.options import LoadOptions
-from fastpipe.payload import DecodedGraph, bind_external
+from fastpipe.payload import DecodedGraph, bind_external, decode_payload
+from fastpipe.runtime.execute import group_fn
 from fastpipe.validate.sources import param_ref, payload_text
 from fastpipe.weights import ParamRef, WeightStore, resolve_param_path
 
@@ -78,3 +88,37 @@ class Binder:
             tensors[attr] = self.store.load(ParamRef(path, fmt, saved, None), tuple(fake.shape), fake.dtype, where=w,
                                             trust_export=self.opts.trust_export_archives)
         bind_external(g, tensors)
+
+
+def bind(program: Program, checked, binder: Binder, local_slots=None) -> Program:
+    """The Program with devices, constants and callables filled in (only `local_slots`' steps, and the
+    groups with a member there, when given)."""
+    import dataclasses
+
+    p = checked.pipeline
+    graphs = checked.graphs or {}
+    devices = binder.slot_devices
+    local = set(program.slots if local_slots is None else local_slots)
+    steps = {}
+    for slot, ss in program.steps.items():
+        if slot not in local:
+            steps[slot] = ss
+            continue
+        out = []
+        for st in ss:
+            dev = devices[slot]
+            consts = binder.constants_for(st.reads, dev)
+            fn = None
+            if st.kind == "compute":
+                g = graphs.get(st.supertask)
+                if g is None and p.supertasks[st.supertask].kind == "fx":
+                    text, where = payload_text(p, st.supertask, binder.opts)
+                    g = decode_payload(text, where=where)
+                fn = binder.graph_fn(st.supertask, g, dev)
+            out.append(dataclasses.replace(st, device=dev, constants=consts, fn=fn))
+        steps[slot] = tuple(out)
+    fns = {}
+    for g, members in program.groups.items():
+        if any(s in local for s, _ in members):
+            fns[g] = group_fn(checked.groups[g], [devices[s] for s, _ in members])
+    return dataclasses.replace(program, steps=steps, group_fns=fns)

@@ -1,4 +1,4 @@
-"""The CPU processor: runs a Program with one thread per slot.
+"""The CPU processor: runs a bound Program with one thread per slot.
 
 Each slot's thread issues its steps in order. A cross-slot wait blocks until the named
 step has completed (for the same micro-batch). A comm step is a rendezvous: the group
@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import torch
 
 from fastpipe.errors import FastpipeError, RunError
-from fastpipe.lower import Program
-from fastpipe.runtime.steps import Step, run_step
+from fastpipe.lower.program import Program
+from fastpipe.runtime.execute import run_compute, run_group
 
 
 class _Abort(Exception):
@@ -70,11 +70,10 @@ class _Run:
                 raise _Abort()
 
 
-class ThreadedRunner:
-    def __init__(self, program: Program, compute: Mapping[str, Step], comm: Mapping[str, Step],
-                 outputs: Sequence[str]):
-        self.program, self.compute, self.comm = program, dict(compute), dict(comm)
-        self.outputs = tuple(outputs)
+class ThreadedProcessor:
+    def __init__(self, program: Program):
+        self.program = program
+        self.outputs = tuple(program.outputs)
         self.keep = set(self.outputs)
 
     def run(self, inputs: Mapping[str, torch.Tensor], *, chunks: int = 1, trace: list | None = None):
@@ -117,7 +116,8 @@ class ThreadedRunner:
                         run.wait_until(lambda ws=ws, need=need: run.progress[ws] >= need)
                     t = time.perf_counter()
                     if st.kind == "compute":
-                        self._execute(self.compute[st.supertask], env)
+                        with torch.inference_mode():
+                            run_compute(st, env)
                     else:
                         self._rendezvous(run, st.group, c, slot, env)
                     if run.trace is not None:
@@ -137,10 +137,6 @@ class ThreadedRunner:
                 run.finished += 1
                 run.cond.notify_all()
 
-    def _execute(self, step: Step, env: dict) -> None:
-        with torch.inference_mode():
-            run_step(step, env)
-
     def _rendezvous(self, run: _Run, group: str, chunk: int, slot: str, env: dict) -> None:
         key = (group, chunk)
         members = {s for s, _ in self.program.groups[group]}
@@ -149,40 +145,10 @@ class ThreadedRunner:
             arrived.add(slot)
             last = arrived == members
         if last:   # everyone's inputs are in env (one env per chunk, shared by the slots)
-            self._execute(self.comm[group], env)
+            with torch.inference_mode():
+                run_group(self.program, group, env)
             with run.cond:
                 run.group_done[key] = True
                 run.cond.notify_all()
         else:
             run.wait_until(lambda: run.group_done.get(key, False))
-
-
-def split_chunks(inputs: Mapping[str, torch.Tensor], chunks: int, batch: Mapping[str, int]) -> list[dict]:
-    """Split each input along dim 0 into `chunks` micro-batches of the pipeline's batch size."""
-    from fastpipe.errors import InputError
-
-    out = [dict() for _ in range(chunks)]
-    for name, t in inputs.items():
-        want = batch[name]
-        if t.dim() == 0 or t.shape[0] != want * chunks:
-            found = list(t.shape)
-            raise InputError(f"inputs[\"{name}\"].shape[0]: expected {want * chunks} (chunks={chunks} x the pipeline's "
-                             f"batch {want}), found {found[0] if found else 'a scalar'}")
-        for c, piece in enumerate(t.split(want, dim=0)):
-            out[c][name] = piece
-    return out
-
-
-def write_chrome_trace(path, events: list, slots: Sequence[str]) -> None:
-    """Chrome/Perfetto trace: one lane (tid) per slot, one event per step labelled fp:<slot>:<supertask>."""
-    import json
-
-    from fastpipe.atomic import write_text
-
-    lane = {s: i for i, s in enumerate(slots)}
-    out = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": lane[s], "args": {"name": f"slot {s}"}} for s in slots]
-    out.append({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "fastpipe"}})
-    for slot, label, t0, t1, chunk in sorted(events, key=lambda e: e[2]):
-        out.append({"name": label, "ph": "X", "pid": 1, "tid": lane[slot], "ts": round(t0 * 1e6, 3),
-                    "dur": round((t1 - t0) * 1e6, 3), "args": {"chunk": chunk}})
-    write_text(path, json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}) + "\n")

@@ -1,4 +1,4 @@
-"""The CUDA processor: a stream per slot, events for cross-slot waits, whole-run CUDA-graph replay.
+"""The CUDA processor: runs a bound Program with a stream per slot, events for cross-slot waits, whole-run CUDA-graph replay.
 
 One host thread issues every slot's steps, in an order the checker proved deadlock-free
 (fastpipe.lower.simulate), onto the slot's own stream:
@@ -22,31 +22,38 @@ from typing import Mapping
 
 import torch
 
-from fastpipe.errors import CompileError, InputError, RunError
+from fastpipe.errors import CompileError, InputError
+from fastpipe.lower.check import simulate
+from fastpipe.lower.program import Program
+from fastpipe.runtime.execute import call, group_where, step_args, step_where
 
 
-class CudaRunner:
-    def __init__(self, session, *, cuda_graph: bool = True, alias_outputs: bool = False):
-        if not torch.cuda.is_available():
-            raise InputError("processor: expected CUDA for processor \"cuda\", found none (use processor \"cpu\")")
-        bad = [s for s, d in session.slot_devices.items() if d.type != "cuda"]
-        if bad:
-            raise InputError(f"device_map[\"{bad[0]}\"]: expected a cuda device for processor \"cuda\", "
-                             f"found {session.slot_devices[bad[0]]}")
-        from fastpipe.lower import simulate
+def check_cuda_devices(slot_devices) -> None:
+    """Every slot on a CUDA device, or InputError naming the first that is not."""
+    if not torch.cuda.is_available():
+        raise InputError("processor: expected CUDA for processor \"cuda\", found none (use processor \"cpu\")")
+    bad = [s for s, d in slot_devices.items() if d.type != "cuda"]
+    if bad:
+        raise InputError(f"device_map[\"{bad[0]}\"]: expected a cuda device for processor \"cuda\", "
+                         f"found {slot_devices[bad[0]]}")
 
-        self.s = session
-        self.program = session.program
-        self.compute, self.comm = session._compute_steps(), session._comm_steps()
-        self.order = simulate(self.program)                  # (slot, index) in a deadlock-free issue order
-        self.streams = {slot: torch.cuda.Stream(device=dev) for slot, dev in session.slot_devices.items()}
-        devices = {d for d in session.slot_devices.values()}
+
+class CudaProcessor:
+    def __init__(self, program: Program, *, cuda_graph: bool = True, compile_policy: str = "warn",
+                 alias_outputs: bool = False):
+        slot_devices = {slot: program.steps[slot][0].device for slot in program.slots if program.steps[slot]}
+        check_cuda_devices(slot_devices)
+        self.program = program
+        self.order = simulate(program)                       # (slot, index) in a deadlock-free issue order
+        self.streams = {slot: torch.cuda.Stream(device=dev) for slot, dev in slot_devices.items()}
+        self.input_devices = program.input_devices()
+        devices = set(slot_devices.values())
         self.use_graph = cuda_graph and len(devices) == 1
         if cuda_graph and len(devices) > 1:
             warnings.warn("fastpipe: CUDA-graph capture is per device; slots span "
                           f"{len(devices)} GPUs, so this run is issued eagerly on streams", RuntimeWarning, stacklevel=3)
         self.alias_outputs = alias_outputs
-        self.policy = session._binder.compile_policy
+        self.policy = compile_policy
         self.calls = 0
         self.graph = None
         self.static_in: dict[str, torch.Tensor] = {}
@@ -57,19 +64,22 @@ class CudaRunner:
     def _issue(self, env: dict) -> None:
         done: dict[tuple[str, int], torch.cuda.Event] = {}
         made_on: dict[str, torch.cuda.Stream] = {}
-        steps = self.program.steps
+        program = self.program
         for slot, i in self.order:
-            st = steps[slot][i]
+            st = program.steps[slot][i]
             stream = self.streams[slot]
             if st.kind == "comm":
-                members = self.program.groups[st.group]
+                members = program.groups[st.group]
                 if (members[0][0], members[0][1]) != (slot, i):
                     continue                     # the group is issued once, at its first member
                 stream = self.streams[members[0][0]]
                 for ms, mi in members:           # join: every member's inputs are ready
                     if mi > 0:
                         stream.wait_event(done[(ms, mi - 1)])
-                self._run_step(self.comm[st.group], env, stream, made_on)
+                steps = program.members(st.group)
+                writes = [n for m in steps for n in m.writes]
+                self._run_on(stream, steps, program.group_fns[st.group], writes, env, made_on,
+                             group_where(program, st.group), f"fp:group:{st.group}")
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 for ms, mi in members:
@@ -78,23 +88,20 @@ class CudaRunner:
                 continue
             for ws, wi in st.waits:
                 stream.wait_event(done[(ws, wi)])
-            self._run_step(self.compute[st.supertask], env, stream, made_on)
+            self._run_on(stream, [st], st.fn, st.writes, env, made_on, step_where(st), st.label)
             ev = torch.cuda.Event()
             ev.record(stream)
             done[(slot, i)] = ev
 
-    def _run_step(self, step, env, stream, made_on) -> None:
-        args = [(env[r] if isinstance(r, str) else r) for r in step.reads]
+    def _run_on(self, stream, steps, fn, writes, env, made_on, where: str, label: str) -> None:
         with torch.cuda.stream(stream):
-            for r, a in zip(step.reads, args):
-                if isinstance(r, str) and made_on.get(r, stream) is not stream:
-                    a.record_stream(stream)
-            args = [a if a.device == d else a.to(d, non_blocking=True) for a, d in zip(args, step.devices)]
-            with torch.profiler.record_function(step.label):
-                outs = step.fn(args)
-        if len(outs) != len(step.writes):
-            raise RunError(f"{step.label}: expected {len(step.writes)} outputs, found {len(outs)}")
-        for n, o in zip(step.writes, outs):
+            for st in steps:
+                for n in st.reads:
+                    if n in env and made_on.get(n, stream) is not stream:
+                        env[n].record_stream(stream)
+            args = [a for st in steps for a in step_args(st, env)]
+            outs = call(fn, args, len(writes), where, label)
+        for n, o in zip(writes, outs):
             env[n] = o
             made_on[n] = stream
 
@@ -129,10 +136,10 @@ class CudaRunner:
         self._issue(env)
         for st in self.streams.values():
             cur.wait_stream(st)
-        return {n: env[n] for n in self.s.output_names}
+        return {n: env[n] for n in self.program.outputs}
 
     def _input_device(self, name: str) -> torch.device:
-        devs = self.s._input_devices.get(name) or {self.device}
+        devs = self.input_devices.get(name) or {self.device}
         return next(iter(devs))
 
     def _fill_static(self, inputs) -> None:
@@ -151,7 +158,7 @@ class CudaRunner:
             self._issue(env)
             for st in self.streams.values():      # and join them back
                 capture.wait_stream(st)
-            self.static_out = {n: env[n] for n in self.s.output_names}
+            self.static_out = {n: env[n] for n in self.program.outputs}
         self.graph = g
         g.replay()
         return self._outputs(self.static_out)

@@ -45,8 +45,10 @@ import torch.distributed as dist
 
 from fastpipe import dtypes
 from fastpipe.errors import FastpipeError, InputError, RunError
+from fastpipe.lower.check import simulate
+from fastpipe.lower.program import Program, Step
 from fastpipe.runtime.dist_setup import RankPlan, init_process_group, make_subgroups
-from fastpipe.runtime.steps import Step, where
+from fastpipe.runtime.execute import run_compute, run_group, step_args
 
 _WIRE = {torch.int16: torch.float16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 for _n in ("float8_e4m3fnuz", "float8_e5m2fnuz"):
@@ -93,10 +95,13 @@ class _Group:
     mode: str                            # "local" | "native" | "generic"
     pg: object                           # process group (None for local)
     device: torch.device                 # where its tensors travel: cuda:LOCAL_RANK (NCCL) or cpu (gloo)
-    reads: tuple[tuple, ...]             # per member: names or bound constants
-    writes: tuple[tuple[str, ...], ...]  # per member
-    step: Step                           # the reference step (local and generic modes)
+    steps: tuple[Step, ...]              # the member steps of the bound Program
+    fn: object                           # the group's callable (local and generic modes)
     out_meta: tuple = ()                 # per member: ((shape, dtype) of each output)
+
+    @property
+    def writes(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(st.writes for st in self.steps)
 
     def gr(self, i: int) -> int:
         """Rank of member i inside the sub-group (new_group orders by global rank)."""
@@ -110,24 +115,21 @@ class _Group:
         return f"group \"{self.name}\" ({self.kind}, supertasks {', '.join(self.members)})"
 
 
-class DistRunner:
-    """Executes a Session's Program on this rank. Built by Session(processor="dist")."""
+class DistProcessor:
+    """Executes this rank's share of a bound Program (bound for plan.local_slots). `checked`: the
+    validated pipeline, for comm kinds and the declared shapes of what crosses ranks."""
 
-    def __init__(self, session, plan: RankPlan, *, timeout_s: float | None = None):
-        from fastpipe.lower import simulate
-
-        self.session, self.plan, self.rank = session, plan, plan.rank
-        p, program = session.pipeline, session.program
+    def __init__(self, program: Program, checked, plan: RankPlan, *, timeout_s: float | None = None):
+        self.plan, self.rank = plan, plan.rank
+        p = checked.pipeline
         self.pipeline, self.program = p, program
         self._owns_world = init_process_group(plan, timeout_s)
         local = set(plan.local_slots)
         self.local = local
         self.order = [(s, i) for s, i in simulate(program) if s in local]
-        self.compute = session._compute_steps()
-        comm_steps = session._comm_steps()
         rank_sets, infos = [], []
         for g in program.groups:
-            cg = session.checked.groups[g]
+            cg = checked.groups[g]
             slots = tuple(p.supertasks[m].device for m in cg.members)
             ranks = tuple(plan.slot_ranks[s] for s in slots)
             rank_sets.append(tuple(sorted(set(ranks))))
@@ -140,29 +142,23 @@ class DistRunner:
         for cg, slots, ranks in infos:
             if self.rank not in ranks:
                 continue
-            step = comm_steps[cg.name]
-            reads, k = [], 0
-            for m in cg.members:
-                n = len(p.supertasks[m].inputs)
-                reads.append(tuple(step.reads[k:k + n]))
-                k += n
             rset = tuple(sorted(set(ranks)))
             mode = "local" if len(rset) == 1 else ("native" if len(rset) == len(ranks) else "generic")
             cuda = all(plan.slot_types[s] == "cuda" for s in slots)
             dev = torch.device("cuda", plan.local_rank) if cuda else torch.device("cpu")
             self.groups[cg.name] = _Group(cg.name, cg.kind, dict(cg.params), tuple(cg.members), slots, ranks, mode,
-                                          pgs.get(rset), dev, tuple(reads),
-                                          tuple(tuple(p.supertasks[m].outputs) for m in cg.members), step,
+                                          pgs.get(rset), dev, tuple(program.members(cg.name)),
+                                          program.group_fns[cg.name],
                                           tuple(tuple((p.tensors[t].shape, dtypes.to_torch(p.tensors[t].dtype))
                                                       for t in p.supertasks[m].outputs) for m in cg.members))
         self.outputs = tuple(dict.fromkeys(p.output_names))
         self.keep = set(self.outputs)
         self.out_rank = {}
         for n in self.outputs:
-            prod = [s for s in session.checked.flow.producers.get(n, []) if p.supertasks[s].device is not None]
+            prod = [s for s in checked.flow.producers.get(n, []) if p.supertasks[s].device is not None]
             self.out_rank[n] = plan.slot_ranks[p.supertasks[prod[0]].device] if prod else 0
         self.out_device = torch.device("cuda", plan.local_rank) if plan.backend == "nccl" else torch.device("cpu")
-        consumers = session.checked.flow.consumers
+        consumers = checked.flow.consumers
         self.needed_inputs = tuple(
             n for n in p.input_names
             if any(p.supertasks[c].device in local for c in consumers.get(n, []))
@@ -195,15 +191,12 @@ class DistRunner:
         output, other ranks {}."""
         if self._closed:
             raise RunError(f"[rank {self.rank}] processor \"dist\": expected an open session, found one closed "
-                           "(DistRunner.close / dist_processor.shutdown let go of its process groups)")
-        s = self.session
-        if s.compile_report is None and s._binder.compile:     # the same decision on every rank
-            s.compile()
+                           "(DistProcessor.close / dist_processor.shutdown let go of its process groups)")
         self.check_inputs(inputs, chunks)
         if chunks == 1:
             parts = [dict(inputs)]
         else:
-            from fastpipe.runtime.cpu_processor import split_chunks
+            from fastpipe.runtime.microbatch import split_chunks
 
             parts = split_chunks(inputs, chunks, {n: self.pipeline.tensors[n].shape[0] for n in inputs})
         events: list | None = [] if trace is not None else None
@@ -231,7 +224,7 @@ class DistRunner:
         present = tuple(n for n in p.input_names if n in inputs)
         view = {n: (inputs[n][: p.tensors[n].shape[0]] if chunks > 1 and isinstance(inputs[n], torch.Tensor) and inputs[n].dim()
                     else inputs[n]) for n in present}
-        check_inputs(SimpleNamespace(input_names=present, tensors=p.tensors), view, self.session._input_devices)
+        check_inputs(SimpleNamespace(input_names=present, tensors=p.tensors), view, self.program.input_devices())
 
     # ------------------------------------------------------------------ one call
     def run(self, parts: list[dict], events: list | None = None) -> list[dict]:
@@ -243,7 +236,7 @@ class DistRunner:
                 st = self.program.steps[slot][i]
                 t = time.perf_counter()
                 if st.kind == "compute":
-                    self._execute(self.compute[st.supertask], env)
+                    self._execute(run_compute, st, env)
                 elif st.group not in done:
                     done.add(st.group)
                     self._group(self.groups[st.group], env)
@@ -258,28 +251,22 @@ class DistRunner:
         msg = " ".join(str(e).split()) or type(e).__name__
         return RunError(f"[rank {self.rank}] {what}: failed: {type(e).__name__}: {msg}{hint}")
 
-    def _execute(self, step: Step, env: dict) -> None:
+    def _execute(self, run, *args) -> None:
+        """run(*args) (execute.run_compute / run_group) with its errors prefixed by this rank."""
         try:
-            args = [(env[r] if isinstance(r, str) else r) for r in step.reads]
-            args = [a if a.device == d else a.to(d) for a, d in zip(args, step.devices)]
-            with torch.inference_mode(), torch.profiler.record_function(step.label):
-                outs = step.fn(args)
+            with torch.inference_mode():
+                run(*args)
         except FastpipeError as e:
             raise type(e)(f"[rank {self.rank}] {e}") from e
-        except Exception as e:  # noqa: BLE001 - reported with the step that failed
-            raise self._fail(where(step), e) from e
-        if len(outs) != len(step.writes):
-            raise RunError(f"[rank {self.rank}] {where(step)}: expected {len(step.writes)} outputs, found {len(outs)}")
-        env.update(zip(step.writes, outs))
 
     def _group(self, g: _Group, env: dict) -> None:
         if g.mode == "local":
-            return self._execute(g.step, env)
+            return self._execute(run_group, self.program, g.name, env)
         try:
             with torch.inference_mode(), torch.profiler.record_function(f"fp:group:{g.name}"):
                 if g.mode == "native":
                     (me,) = [i for i, r in enumerate(g.ranks) if r == self.rank]
-                    x = self._value(g.reads[me][0], env) if g.reads[me] else None
+                    x = step_args(g.steps[me], env)[0] if g.steps[me].reads else None
                     outs = {me: _native(g, me, x, self.plan.backend != "gloo" and g.device.type == "cuda")}
                 else:
                     outs = self._generic(g, env)
@@ -291,9 +278,6 @@ class DistRunner:
             dev = self.plan.slot_devices[g.slots[i]]
             env.update((n, y if y.device == dev else y.to(dev)) for n, y in zip(g.writes[i], ys))
 
-    def _value(self, r, env) -> torch.Tensor:
-        return env[r] if isinstance(r, str) else r
-
     def _generic(self, g: _Group, env: dict) -> dict[int, list]:
         """Members sharing ranks: broadcast each member's input from its rank, then the reference."""
         p = self.pipeline
@@ -303,7 +287,7 @@ class DistRunner:
                 info = p.tensors[name]
                 dtype = dtypes.to_torch(info.dtype)
                 if g.ranks[i] == self.rank:
-                    buf = _wire(self._value(g.reads[i][j], env).to(g.device))
+                    buf = _wire(step_args(g.steps[i], env)[j].to(g.device))
                 else:
                     buf = _wire(torch.empty(info.shape, dtype=dtype, device=g.device))
                 dist.broadcast(buf, src=g.ranks[i], group=g.pg)
@@ -311,7 +295,7 @@ class DistRunner:
         mine = [i for i, r in enumerate(g.ranks) if r == self.rank]
         if not any(g.writes[i] for i in mine):
             return {}
-        outs = g.step.fn(xs)
+        outs = g.fn(xs)
         flat, k = {}, 0
         for i, w in enumerate(g.writes):
             flat[i] = list(outs[k:k + len(w)])
@@ -346,7 +330,7 @@ class DistRunner:
 
     def _write_trace(self, path, events: list) -> None:
         """Rank 0 writes one Chrome trace with a lane per slot of every rank (clocks aligned by wall time)."""
-        from fastpipe.runtime.cpu_processor import write_chrome_trace
+        from fastpipe.runtime.trace import write_chrome_trace
 
         mine = (time.time() - time.perf_counter(), events)
         got = [None] * self.plan.world if self.rank == 0 else None
@@ -358,12 +342,12 @@ class DistRunner:
         write_chrome_trace(path, merged, tuple(self.pipeline.devices))
 
 
-_LIVE: "weakref.WeakSet[DistRunner]" = weakref.WeakSet()
+_LIVE: "weakref.WeakSet[DistProcessor]" = weakref.WeakSet()
 
 
 @atexit.register
 def shutdown() -> None:
-    """Close every live dist runner (see DistRunner.close); also registered to run at exit."""
+    """Close every live dist runner (see DistProcessor.close); also registered to run at exit."""
     for r in list(_LIVE):
         r.close()
 

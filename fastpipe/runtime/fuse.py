@@ -12,8 +12,11 @@ Patterns (every member of the group must match):
                              transpose of one). The group's step runs all_gather_matmul([x_i], [b_j])
                              and the supertask starts after the matmul (adding the bias, if any).
 The scatter/gather dim must be the matmul's rows (all dims before it of size 1) or its columns
-(the last dim). Steps are rewritten in place: the Program's structure (and what the checker
-proved about it) does not change.
+(the last dim). The pass rewrites the bound Program before the checker runs: the fused
+supertasks' steps get new graphs, reads and writes (`x#a`, `x#b`: the matmul's operands; `y#mm`:
+the gathered product), the groups' callables become the kernels, and frees follow the renamed
+tensors, so the checker proves the Program that really runs. Slots, steps and waits do not
+change.
 
 Policy: "off"; "auto" (default): fuse when every member is on one CUDA device and the shape is
 above the measured threshold (fastpipe.kernels.fused_is_faster); "always": fuse every match
@@ -23,7 +26,6 @@ fused gets a decision with its reason (Session.fusion, `fastpipe show --plan`).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -80,8 +82,9 @@ def _meta_shape(p, name: str) -> tuple[int, ...]:
     return tuple(p.tensors[name].shape)
 
 
-def analyze(session, policy: str) -> list[Decision]:
-    p, checked = session.pipeline, session.checked
+def analyze(checked, slot_devices, policy: str) -> list[Decision]:
+    """A decision for every reduce_scatter / all_gather group (checked.graphs must hold the decoded graphs)."""
+    p = checked.pipeline
     graphs = checked.graphs or {}
     flow = checked.flow
     out: list[Decision] = []
@@ -96,7 +99,7 @@ def analyze(session, policy: str) -> list[Decision]:
         if reason:
             d.reason = reason
             continue
-        devices = {session.slot_devices[m.device] for m in members}
+        devices = {slot_devices[m.device] for m in members}
         if policy == "off":
             d.reason = "fusion is off"
         elif policy == "auto" and (len(devices) != 1 or next(iter(devices)).type != "cuda"):
@@ -267,13 +270,12 @@ def _rewrite_graph(gm: fx.GraphModule, *, suffix=None, prefix=None) -> fx.GraphM
     return fx.GraphModule(gm, g)
 
 
-def _graph_fn(gm: fx.GraphModule, session, sid: str):
-    if session._binder.compile:
+def _graph_fn(gm: fx.GraphModule, binder, sid: str, device):
+    if binder.compile:
         from fastpipe.runtime.compile import compiled_graph
 
-        dev = session.slot_devices[session.pipeline.supertasks[sid].device]
-        gm = compiled_graph(gm.code, gm, dev, f"supertasks[\"{sid}\"] (fused rest)", session._binder.compile_policy)
-        session._binder.compiled[sid] = gm
+        gm = compiled_graph(gm.code, gm, device, f"supertasks[\"{sid}\"] (fused rest)", binder.compile_policy)
+        binder.compiled[sid] = gm
 
     def run(xs, gm=gm):
         out = gm(*xs)
@@ -281,69 +283,80 @@ def _graph_fn(gm: fx.GraphModule, session, sid: str):
     return run
 
 
-def apply(session, decisions: list[Decision]) -> None:
-    """Rewrite the session's steps for every fused decision."""
+def _renamed(names: tuple[str, ...], old: str, new: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(x for n in names for x in ((*new,) if n == old else (n,)))
+
+
+def apply(program, decisions: list[Decision], checked, binder):
+    """The bound Program with every fused decision applied (see the module docstring)."""
     import dataclasses
 
     from fastpipe import kernels
 
-    p = session.pipeline
-    graphs = session.checked.graphs
-    by_sid = {s.supertasks[0]: i for i, s in enumerate(session.steps) if not s.label.startswith("fp:group:")}
-    by_group = {s.label[len("fp:group:"):]: i for i, s in enumerate(session.steps) if s.label.startswith("fp:group:")}
+    p, graphs = checked.pipeline, checked.graphs
+    steps = {slot: list(ss) for slot, ss in program.steps.items()}
+    at = {st.supertask: (slot, i) for slot, ss in program.steps.items() for i, st in enumerate(ss)}
+    group_fns = dict(program.group_fns)
+    renames: dict[str, tuple[str, ...]] = {}      # old tensor name -> the names that replace it (for frees)
+
+    def edit(sid, **changes):
+        slot, i = at[sid]
+        steps[slot][i] = dataclasses.replace(steps[slot][i], **changes)
+
     edits: dict[str, dict] = {}          # supertask id -> {"prefix": ..., "suffix": ...}
     for d in decisions:
         if not d.fused:
             continue
-        gi = by_group[d.group]
-        devices = tuple(session.slot_devices[p.supertasks[m].device] for m in d.supertasks)
         if d.pattern == "matmul->reduce_scatter":
-            reads, read_devs = [], []
-            for m, dev in zip(d.plan, devices):
+            for m, member in zip(d.plan, d.supertasks):
                 a_name, b_name = f"{m['x']}#a", f"{m['x']}#b"
                 edits.setdefault(m["sid"], {})["prefix"] = (m["out_index"], m["mm"], m["x"], a_name, b_name)
-                reads += [a_name, b_name]
-                read_devs += [dev, dev]
-            ys = [m["y"] for m in d.plan]
-            y_shapes = [tuple(p.tensors[y].shape) for y in ys]
-            dim, op = d.plan[0]["dim"], session.checked.groups[d.group].params["reduce_op"]
+                edit(member, reads=(a_name, b_name))
+                renames[m["x"]] = (a_name, b_name)
+            y_shapes = [tuple(p.tensors[m["y"]].shape) for m in d.plan]
+            dim, op = d.plan[0]["dim"], checked.groups[d.group].params["reduce_op"]
 
             def fn(xs, dim=dim, op=op, y_shapes=y_shapes):
                 outs = kernels.matmul_reduce_scatter(xs[0::2], xs[1::2], dim=dim, op=op)
                 return [o.reshape(s) for o, s in zip(outs, y_shapes)]
         else:
-            reads = [m["x"] for m in d.plan]
-            read_devs = list(devices)
-            consts, ys = [], []
-            for m, dev in zip(d.plan, devices):
-                st = session.steps[by_sid[m["sid"]]]
+            consts = []
+            for m, member in zip(d.plan, d.supertasks):
+                slot, i = at[m["sid"]]
+                st = steps[slot][i]
                 b_idx, transform, _ = m["b"]
-                b = st.reads[b_idx]
+                b = st.constants[st.reads[b_idx]]
                 for target, args in transform:
                     b = target(b, *args)
                 consts.append(b)
                 z = f"{m['y']}#mm"
-                ys.append(z)
-                edits.setdefault(m["sid"], {})["suffix"] = (m["in_index"], m["mm"], z, dev)
+                edit(member, writes=(z,))
+                renames[m["y"]] = (z,)
+                edits.setdefault(m["sid"], {})["suffix"] = (m["in_index"], m["mm"], z)
             dim = d.plan[0]["dim"]
 
             def fn(xs, dim=dim, consts=consts):
                 return kernels.all_gather_matmul([x.reshape(-1, x.shape[-1]) for x in xs], consts, dim=dim)
-        session.steps[gi] = dataclasses.replace(session.steps[gi], fn=fn, reads=tuple(reads), devices=tuple(read_devs),
-                                                writes=tuple(ys))
+        group_fns[d.group] = fn
     for sid, e in edits.items():
-        i = by_sid[sid]
-        st = session.steps[i]
-        suffix = e.get("suffix")
-        prefix = e.get("prefix")
+        slot, i = at[sid]
+        st = steps[slot][i]
+        suffix, prefix = e.get("suffix"), e.get("prefix")
         gm = _rewrite_graph(graphs[sid].gm, suffix=suffix and suffix[:2], prefix=prefix and prefix[:2])
-        reads, devs, writes = st.reads, st.devices, st.writes
+        reads, writes = st.reads, st.writes
         if suffix is not None:
-            k, _, z, dev = suffix
+            k, _, z = suffix
             reads = tuple(r for j, r in enumerate(reads) if j != k) + (z,)
-            devs = tuple(dv for j, dv in enumerate(devs) if j != k) + (dev,)
         if prefix is not None:
             _, _, x, a_name, b_name = prefix
             writes = tuple(w for w in writes if w != x) + (a_name, b_name)
-        session.steps[i] = dataclasses.replace(st, fn=_graph_fn(gm, session, sid), reads=reads, devices=devs,
-                                               writes=writes)
+        steps[slot][i] = dataclasses.replace(st, fn=_graph_fn(gm, binder, sid, st.device), reads=reads, writes=writes)
+    for slot, ss in steps.items():
+        for i, st in enumerate(ss):
+            frees = st.frees
+            for old, new in renames.items():
+                if old in frees:
+                    frees = _renamed(frees, old, new)
+            if frees != st.frees:
+                ss[i] = dataclasses.replace(st, frees=frees)
+    return dataclasses.replace(program, steps={s: tuple(ss) for s, ss in steps.items()}, group_fns=group_fns)

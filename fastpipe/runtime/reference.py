@@ -1,44 +1,47 @@
-"""The reference runtime: run the steps in dependency order, one at a time, on CPU or any device.
+"""The reference processor: runs a bound Program one step at a time, on CPU or any device.
 
-It is plain and sequential on purpose: the CPU and CUDA processors of the
-runtime issue are tested against it. A failing step raises RunError naming
+It is plain and sequential on purpose: the CPU and CUDA processors of the runtime are
+tested against it. Steps run in the order ``simulate(program)`` gives (the checker's
+deadlock-free completion order); a comm group runs whole, at its first member, and each
+step's ``frees`` are dropped once it has completed. A failing step raises RunError naming
 the supertask and slot.
 """
 from __future__ import annotations
 
 import time
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import torch
 
-from fastpipe.runtime.steps import Step, run_step
+from fastpipe.lower.check import simulate
+from fastpipe.lower.program import Program
+from fastpipe.runtime.execute import run_compute, run_group
 
 
-class ReferenceRunner:
-    def __init__(self, steps: Sequence[Step], outputs: Sequence[str]):
-        self.steps = list(steps)
-        self.outputs = tuple(outputs)
-        last_use: dict[str, int] = {}
-        for i, s in enumerate(self.steps):
-            for r in s.reads:
-                if isinstance(r, str):
-                    last_use[r] = i
-        keep = set(self.outputs)
-        # names whose last reader is step i: freed right after it runs
-        self._free_after = [tuple(n for n, j in last_use.items() if j == i and n not in keep) for i in range(len(self.steps))]
+class ReferenceProcessor:
+    def __init__(self, program: Program):
+        self.program = program
+        self.order = simulate(program)
+        self.keep = set(program.outputs)
 
     @torch.inference_mode()
     def run(self, inputs: Mapping[str, torch.Tensor], *, events: list | None = None, chunk: int = 0,
             t0: float = 0.0) -> dict[str, torch.Tensor]:
-        env: dict[str, torch.Tensor] = dict(inputs)
-        for step, free in zip(self.steps, self._free_after):
-            start = time.perf_counter() if events is not None else 0.0
-            run_step(step, env)
+        program, env = self.program, dict(inputs)
+        pending: dict[str, float] = {}       # group -> start time (its members complete together)
+        for slot, i in self.order:
+            st = program.steps[slot][i]
+            start = time.perf_counter()
+            if st.kind == "compute":
+                run_compute(st, env)
+            elif st.group not in pending:
+                pending[st.group] = start
+                run_group(program, st.group, env)
+            else:
+                start = pending[st.group]
             if events is not None:
-                end = time.perf_counter()
-                for slot in step.slots:
-                    events.append((slot, step.label if len(step.slots) == 1 else f"fp:{slot}:{step.supertasks[step.slots.index(slot)]}",
-                                   start - t0, end - t0, chunk))
-            for n in free:
-                env.pop(n, None)
-        return {n: env[n] for n in self.outputs}
+                events.append((slot, st.label, start - t0, time.perf_counter() - t0, chunk))
+            for n in st.frees:
+                if n not in self.keep:
+                    env.pop(n, None)
+        return {n: env[n] for n in program.outputs}

@@ -1,0 +1,123 @@
+"""The `fastpipe` command line (also `python -m fastpipe`): the parser and the one-line error contract.
+
+Exit status: 0 success; 2 anything given is invalid (pipeline, param files,
+payloads, inputs, options); 1 a valid run failed or --check found a mismatch.
+Errors print as one line (`fastpipe: error: ...`); --verbose adds the traceback.
+The commands live in fastpipe.cli.show (validate, show), fastpipe.cli.run, fastpipe.cli.dist
+(multi-process runs) and fastpipe.cli.build.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from fastpipe.cli import build, run, show
+from fastpipe.cli.common import EXIT_FAILED
+from fastpipe.errors import FastpipeError, InputError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2
+        raise InputError(f"{self.prog}: {message}")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="fastpipe", description="Validate, inspect and run split-model pipelines (pipeline.json).")
+    ap.add_argument("--verbose", "-v", action="store_true", help="show tracebacks and debug logs")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def common(p):
+        p.add_argument("pipeline", help="path to pipeline.json")
+        p.add_argument("--allow-outside-paths", action="store_true",
+                       help="allow param/payload files by absolute path or outside the pipeline's folder")
+        p.add_argument("--trust-export-archives", action="store_true",
+                       help="allow torch.export archives (their loader can unpickle, i.e. run code)")
+        p.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    v = sub.add_parser("validate", help="check a pipeline (structure, payloads, param-file headers); exit 0 or one error")
+    common(v)
+    s = sub.add_parser("show", help="summary: slots, supertasks by kind, constant bytes per slot")
+    common(s)
+    s.add_argument("--dot", metavar="FILE", help="also write a Graphviz drawing (one cluster per slot)")
+    s.add_argument("--plan", action="store_true",
+                   help="also load the pipeline and print the Program its processor runs (processor auto, no compile): "
+                        "a step x slot table, peak bytes per slot, fusion decisions, and the checker's verdict")
+    s.add_argument("--device-map", metavar="MAP", help="with --plan: slot placement, e.g. 0=cpu,1=cuda:0")
+    r = sub.add_parser("run", help="run a pipeline and print a latency summary")
+    common(r)
+    r.add_argument("--inputs", metavar="FILE", help="safetensors file keyed by pipeline input names (default: seeded random)")
+    r.add_argument("--outputs", metavar="FILE", help="write outputs (safetensors, keyed by pipeline output names)")
+    r.add_argument("--check", metavar="FILE", help="compare outputs with this safetensors file; exit 1 on mismatch")
+    r.add_argument("--rtol", type=float, help="relative tolerance for --check (default: per dtype)")
+    r.add_argument("--atol", type=float, help="absolute tolerance for --check (default: per dtype)")
+    r.add_argument("--device-map", metavar="MAP", help="slot placement, e.g. 0=cpu,1=cuda:0")
+    r.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
+    r.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    r.add_argument("--repeat", type=int, default=5, help="timed runs (default 5)")
+    r.add_argument("--processor", choices=("auto", "reference", "cpu", "cuda", "dist"), default="auto",
+                   help="auto (default): dist under torchrun or with --nproc, else cuda when every slot is on a GPU, "
+                        "else cpu (a thread per slot)")
+    r.add_argument("--no-compile", action="store_true", help="run fx supertasks eagerly instead of torch.compile")
+    r.add_argument("--compile-errors", choices=("warn", "raise"), default="warn",
+                   help="a graph that cannot be compiled: warn and run it eagerly (default), or fail")
+    r.add_argument("--no-cuda-graph", action="store_true", help="cuda processor: issue on streams, no graph capture")
+    r.add_argument("--chunks", type=int, default=1, help="micro-batches along dim 0 (inputs carry chunks x the batch)")
+    r.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the last timed run (a lane per slot)")
+    # -- multi-process runs (fastpipe.cli.dist, fastpipe.runtime.dist_setup, docs/distributed.md)
+    r.add_argument("--nproc", type=int, metavar="N",
+                   help="run N processes on this machine through torch's elastic launcher (like torchrun)")
+    r.add_argument("--slot-ranks", metavar="MAP", help="slot -> rank, e.g. 0=0,1=0,2=1,3=1 (default: contiguous blocks)")
+    r.add_argument("--dist-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds any collective may wait before the run fails (default 120)")
+    b = sub.add_parser("build", help="split a local Hugging Face checkpoint folder into a tp x pp pipeline")
+    b.add_argument("model", help="folder with config.json and *.safetensors (no network is used)")
+    b.add_argument("-o", "--output", required=True, help="output folder: pipeline.json, with the checkpoint files hard-linked in place")
+    b.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    b.add_argument("--pp", type=int, default=1, help="pipeline stages, layers split evenly (default 1)")
+    b.add_argument("--split-points", metavar="MODULES", help="comma-separated module names each stage after the first starts at")
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--seq-len", type=int, default=128)
+    b.add_argument("--past-len", type=int, default=None,
+                   help="decoders: omit for no KV cache; 0 for a prefill that outputs the cache; P for a decode step over P cached tokens")
+    b.add_argument("--sequence-parallel", action="store_true", help="reduce_scatter/all_gather on the sequence dim instead of all_reduce")
+    b.add_argument("--style", choices=("fastpipe", "producer", "producer-2024.1"), default="fastpipe",
+                   help="fastpipe: its own compact spelling (default); producer: what furiosa-llm (2024.2.0 and later) "
+                        "writes and its Pipeline.load reads (every field, null where absent, payloads in <blob-id>.fx "
+                        "files); producer-2024.1: the same with torch 2.1 payloads, for furiosa-llm 2024.1.x")
+    b.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return ap
+
+
+COMMANDS = {"validate": show.cmd_validate, "show": show.cmd_show, "run": run.cmd_run, "build": build.cmd_build}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    verbose = "--verbose" in argv or "-v" in argv
+    try:
+        args = parser().parse_args(argv)
+        args.argv = list(argv)       # --nproc relaunches the same command line
+        if getattr(args, "verbose", False):
+            import logging
+
+            logging.basicConfig(level=logging.DEBUG)
+        return COMMANDS[args.command](args)
+    except FastpipeError as e:
+        if verbose:
+            traceback.print_exc()
+        print(f"fastpipe: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("fastpipe: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a bug of ours: still one line unless --verbose
+        if verbose:
+            traceback.print_exc()
+        msg = " ".join(str(e).split())
+        print(f"fastpipe: internal error: {type(e).__name__}: {msg} (rerun with --verbose for the traceback)", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

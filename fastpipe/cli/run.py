@@ -1,0 +1,68 @@
+"""`fastpipe run` in one process: load, compile, time, write and check the outputs."""
+from __future__ import annotations
+
+import statistics
+import time
+
+from fastpipe.cli.common import check_writable, device_map_of, load_options, read_tensors, report_results
+from fastpipe.errors import InputError
+
+
+def run_options(args, **overrides):
+    """The RunOptions of the run flags (processor auto unless --processor)."""
+    from fastpipe.options import RunOptions
+
+    fields = dict(processor=args.processor, compile=not args.no_compile, compile_policy=args.compile_errors,
+                  cuda_graph=not args.no_cuda_graph)
+    fields.update(overrides)
+    return RunOptions(**fields)
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from fastpipe.cli import dist
+    from fastpipe.format import read_pipeline
+    from fastpipe.random_inputs import random_inputs
+    from fastpipe.session import Session
+
+    if dist.wants_dist(args):      # multi-process: torchrun-launched, --nproc or --processor dist
+        return dist.cli_run(args)
+    if not 0 <= args.seed < 2**63:
+        raise InputError(f"--seed: expected 0 <= seed < 2**63, found {args.seed}")
+    if args.repeat < 1 or args.warmup < 0:
+        raise InputError(f"--repeat/--warmup: expected --repeat >= 1 and --warmup >= 0, found {args.repeat} and {args.warmup}")
+    device_map = device_map_of(args)
+    if args.outputs:
+        check_writable(args.outputs, "--outputs")
+    p = read_pipeline(args.pipeline)
+    inputs = read_tensors(args.inputs, "--inputs") if args.inputs else random_inputs(p, args.seed)
+    expected = read_tensors(args.check, "--check") if args.check else None
+    if args.chunks < 1:
+        raise InputError(f"--chunks: expected >= 1, found {args.chunks}")
+    if args.trace:
+        check_writable(args.trace, "--trace")
+    if args.chunks > 1 and not args.inputs:
+        inputs = {k: torch.cat([v] * args.chunks, dim=0) for k, v in inputs.items()}
+    t0 = time.perf_counter()
+    sess = Session(p, device_map=device_map, load_options=load_options(args), run_options=run_options(args))
+    load_s = time.perf_counter() - t0
+    compile_msg = ""
+    if not args.no_compile:
+        rep = sess.compile()
+        compile_msg = f"; compiled {rep.graphs} graphs in {rep.seconds:.1f} s" + (f" ({len(rep.eager)} eager)" if rep.eager else "")
+    for _ in range(args.warmup):
+        sess.run(inputs, chunks=args.chunks)
+    times, outs = [], None
+    for i in range(args.repeat):
+        t = time.perf_counter()
+        outs = sess.run(inputs, chunks=args.chunks, trace=args.trace if args.trace and i == args.repeat - 1 else None)
+        if any(d.type == "cuda" for d in sess.slot_devices.values()):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    ms = sorted(x * 1e3 for x in times)
+    print(f"{p.name}: {sess.processor} processor; loaded in {load_s * 1e3:.1f} ms{compile_msg}; {args.repeat} runs: "
+          f"median {statistics.median(ms):.3f} ms, min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")
+    return report_results(args, outs, expected)
+
+

@@ -1,0 +1,91 @@
+"""Running one step of a bound Program (fastpipe.lower.program) on a tensor environment.
+
+    run_compute(step, env)          # a compute step: its reads from env (or its constants), fn, writes into env
+    run_group(program, group, env)  # a whole comm group at once: every member's reads -> group_fns[group]
+    group_fn(group, members, devices)   # the plain-torch callable of a comm group (fastpipe.comm)
+
+Every processor that runs steps in one address space (reference, cpu, cuda, and the dist
+processor for groups local to a rank) goes through these, so a failure is reported the
+same way everywhere: a RunError naming the supertask and slot, or the group and its
+supertasks.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from fastpipe import comm
+from fastpipe.errors import FastpipeError, RunError, key_path
+from fastpipe.lower.program import Program, Step
+
+
+def group_fn(group, devices: Sequence[torch.device]) -> Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]:
+    """The comm group's callable (a validated CommGroup; `devices`: each member's, in member order):
+    the members' inputs concatenated in member order -> their outputs concatenated."""
+    kind, prm, devices = group.kind, group.params, list(devices)
+    if kind == "p2p":
+        recv_dev = devices[1]
+        return lambda xs: [comm.send_recv(xs[0], recv_dev)]
+    if kind == "all_reduce":
+        return lambda xs: comm.all_reduce(xs, prm["reduce_op"], devices)
+    if kind == "all_gather":
+        return lambda xs: comm.all_gather(xs, prm["dim"], devices)
+    if kind == "reduce_scatter":
+        return lambda xs: comm.reduce_scatter(xs, prm["reduce_op"], prm["dim"], devices)
+    if kind == "all_to_all":
+        return lambda xs: comm.all_to_all(xs, prm["src_dim"], prm["dst_dim"], devices)
+    if kind == "reduce":
+        return lambda xs: [comm.reduce(xs, prm["reduce_op"], prm["dst"], devices)]
+    if kind == "gather":
+        return lambda xs: [comm.gather(xs, prm["dim"], prm["dst"], devices)]
+    if kind == "broadcast":
+        return lambda xs: comm.broadcast(xs[0], prm["src"], devices)
+    raise AssertionError(kind)  # pragma: no cover - the validator admits no other kind
+
+
+def step_where(step: Step) -> str:
+    return f"{key_path('supertasks', step.supertask)} on slot \"{step.slot}\""
+
+
+def group_where(program: Program, group: str) -> str:
+    return f"group:{group} (supertasks {', '.join(st.supertask for st in program.members(group))})"
+
+
+def step_args(step: Step, env: dict) -> list[torch.Tensor]:
+    """The step's read tensors, on its device (bound constants in place of their names)."""
+    args = [step.constants[n] if n in step.constants else env[n] for n in step.reads]
+    dev = step.device
+    return [a if dev is None or a.device == dev else a.to(dev) for a in args]
+
+
+def call(fn, args: list, n_writes: int, where: str, label: str) -> Sequence[torch.Tensor]:
+    """fn(args), failures raised as RunError naming `where`."""
+    try:
+        with torch.profiler.record_function(label):
+            outs = fn(args)
+    except FastpipeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported with the step that failed
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise RunError(f"{where}: failed: {type(e).__name__}: {msg}") from e
+    if len(outs) != n_writes:
+        raise RunError(f"{where}: expected {n_writes} outputs, found {len(outs)}")
+    return outs
+
+
+def run_compute(step: Step, env: dict) -> None:
+    env.update(zip(step.writes, call(step.fn, step_args(step, env), len(step.writes), step_where(step), step.label)))
+
+
+def group_args(program: Program, group: str, env: dict) -> list[torch.Tensor]:
+    return [a for st in program.members(group) for a in step_args(st, env)]
+
+
+def run_group(program: Program, group: str, env: dict) -> None:
+    """Run the whole group (every member's step) on the tensors in env; write every member's outputs."""
+    members = program.members(group)
+    writes = [n for st in members for n in st.writes]
+    outs = call(program.group_fns[group], group_args(program, group, env), len(writes), group_where(program, group),
+                f"fp:group:{group}")
+    env.update(zip(writes, outs))
