@@ -13,6 +13,16 @@ def load_options(args):
     return LoadOptions(allow_outside_paths=args.allow_outside_paths, trust_export_archives=args.trust_export_archives)
 
 
+def run_options(args, **overrides):
+    """The RunOptions of the run flags (processor auto unless --processor)."""
+    from fastpipe.options import RunOptions
+
+    fields = dict(processor=args.processor, compile=not args.no_compile, compile_policy=args.compile_errors,
+                  cuda_graph=not args.no_cuda_graph)
+    fields.update(overrides)
+    return RunOptions(**fields)
+
+
 def device_map_of(args):
     from fastpipe.runtime.device_map import parse_device_map_option
 

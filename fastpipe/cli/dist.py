@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from fastpipe.cli.common import check_writable, device_map_of, load_options, read_tensors, report_results
-from fastpipe.cli.run import run_options
+from fastpipe.cli.common import (check_writable, device_map_of, load_options, read_tensors, report_results,
+                                 run_options)
 from fastpipe.errors import FastpipeError, InputError
 from fastpipe.runtime.dist_setup import check_slot_ranks, env_world
 

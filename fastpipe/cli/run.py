@@ -4,18 +4,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from fastpipe.cli.common import check_writable, device_map_of, load_options, read_tensors, report_results
+from fastpipe.cli.common import check_writable, device_map_of, load_options, read_tensors, report_results, run_options
 from fastpipe.errors import InputError
-
-
-def run_options(args, **overrides):
-    """The RunOptions of the run flags (processor auto unless --processor)."""
-    from fastpipe.options import RunOptions
-
-    fields = dict(processor=args.processor, compile=not args.no_compile, compile_policy=args.compile_errors,
-                  cuda_graph=not args.no_cuda_graph)
-    fields.update(overrides)
-    return RunOptions(**fields)
 
 
 def cmd_run(args) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from fastpipe.errors import CompileError
+from fastpipe.torch_compat import unique_graphs as _unique_graphs
 
 log = logging.getLogger("fastpipe")
 
@@ -33,10 +34,6 @@ def payload_key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 class CompiledGraph:

@@ -185,8 +185,9 @@ def _annotate(g) -> None:
     gm = g.gm
     if getattr(gm, "_fastpipe_annotated", False):
         return
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from fastpipe.torch_compat import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
