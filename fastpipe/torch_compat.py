@@ -24,7 +24,7 @@ import torch
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
 
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402, F401  (re-exported)
 
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
