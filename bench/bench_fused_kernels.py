@@ -50,6 +50,7 @@ from fastpipe.kernels import (  # noqa: E402
     matmul_reduce_scatter,
     matmul_reduce_scatter_reference,
 )
+from tests.tensor_compare import error_ratio  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -110,14 +111,9 @@ def unfused_agm(a, b, dim):
 
 
 def check_close(outs, refs, mags, rtol, atol) -> tuple[bool, float]:
-    """|out - ref| <= rtol*|ref| + atol*mag everywhere; returns (ok, worst ratio err/allowed)."""
-    worst = 0.0
-    for o, r, m in zip(outs, refs, mags):
-        if not torch.isfinite(o).all():
-            return False, float("inf")
-        err = (o.float() - r.float()).abs()
-        allowed = rtol * r.float().abs() + atol * m + 1e-30
-        worst = max(worst, (err / allowed).max().item())
+    """|out - ref| <= rtol*|ref| + atol*mag everywhere (tests/tensor_compare.py's rule); returns
+    (ok, worst ratio err/allowed)."""
+    worst = max((error_ratio(o, r, m, rtol=rtol, atol=atol) for o, r, m in zip(outs, refs, mags)), default=0.0)
     return worst <= 1.0, worst
 
 

@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastpipe.builder.hf.build import build_hf  # noqa: E402
 from fastpipe.builder.hf.checkpoint import save_random_checkpoint  # noqa: E402
+from tests.tensor_compare import assert_close  # noqa: E402
 
 CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(n_layer=4, n_embd=256, n_head=8, vocab_size=8000, n_positions=256),
@@ -67,6 +68,5 @@ def test_hf(benchmark, record, checkpoints, tmp_path, family, shape, variant):
             sess.compile()
         kwargs = {"input_ids": ids} if past is None else {"input_ids": ids, "past_key_values": past}
         out = benchmark(sess.run_model, **kwargs)
-        rel = (out["logits"] - ref).abs().max() / ref.abs().max()
-        assert rel <= 1e-4
+        assert_close(out["logits"], ref, rtol=0.0, atol=1e-4 * ref.abs().max().item(), what="logits")
     record(variant=variant, size=ids.numel())

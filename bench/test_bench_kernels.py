@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fastpipe.kernels import matmul_reduce_scatter, matmul_reduce_scatter_reference
+from tests.tensor_compare import assert_close
 
 
 @pytest.mark.cuda
@@ -21,6 +22,6 @@ def test_matmul_reduce_scatter(benchmark, record, variant, m):
     fn = unfused if variant == "unfused" else (lambda: matmul_reduce_scatter(a, b))
     out = benchmark(lambda: (fn(), torch.cuda.synchronize())[0])
     ref = matmul_reduce_scatter_reference(a, b)
-    for o, r in zip(out, ref):
-        torch.testing.assert_close(o.float(), r.float(), rtol=2e-2, atol=2e-1)
+    for j, (o, r) in enumerate(zip(out, ref)):
+        assert_close(o, r, rtol=2e-2, atol=2e-1, what=f"chunk {j}")
     record(variant=variant, size=m)

@@ -4,7 +4,7 @@ its reference and the overlapped variant.
 Without CUDA the Triton kernels run under TRITON_INTERPRET=1 (set below, before triton is
 imported). Every result is compared with an independent float64 computation,
 ``torch.cat([x.double() for x in a], dim) @ b[j].double()``; the tolerance rule and its
-measured justification are in tests/test_kernels_matmul_reduce_scatter.py
+measured justification are in tests/tensor_compare.py, the comparison every kernel test shares
 (``|out - exp| <= rtol * |exp| + atol * (|A| @ |b_j|)``).
 """
 import os
@@ -24,11 +24,11 @@ from fastpipe.kernels import (  # noqa: E402
 )
 from fastpipe.kernels import all_gather_mm_kernel as agm  # noqa: E402
 from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting  # noqa: E402
+from tests.tensor_compare import assert_close, tolerance  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TOL = {torch.float32: (1e-5, 2e-6), torch.float16: (1e-3, 1e-6), torch.bfloat16: (1.6e-2, 1e-6)}
 
 
 def test_kernels_run_here():
@@ -53,22 +53,12 @@ def operands(n, dim, dtype, seed=0, device=DEV, ms=7, M=37, K=45):
 def assert_matches(outs, a, b, dim, tol=None):
     full = torch.cat([x.double() for x in a], dim=dim)
     assert len(outs) == len(b)
-    rtol, atol = tol or TOL[a[0].dtype]
+    rtol, atol = tol or tolerance(a[0].dtype)
     for j, (o, bj) in enumerate(zip(outs, b)):
         e = full.to(o.device) @ bj.double().to(o.device)
         m = full.abs().to(o.device) @ bj.double().abs().to(o.device)
-        assert o.shape == e.shape, f"output {j}: shape {tuple(o.shape)} != {tuple(e.shape)}"
-        assert o.dtype == a[0].dtype and o.is_contiguous(), f"output {j}: {o.dtype}, contiguous {o.is_contiguous()}"
-        assert torch.isfinite(o).all(), f"output {j}: {(~torch.isfinite(o)).sum().item()} non-finite elements"
-        err = (o.double() - e).abs()
-        allowed = rtol * e.abs() + atol * m
-        bad = err > allowed
-        if bad.any():
-            idx = bad.nonzero()[:8].tolist()
-            rows = "; ".join(f"{tuple(i)}: got {o[tuple(i)].item():.6g}, expected {e[tuple(i)].item():.6g}, "
-                             f"|err| {err[tuple(i)].item():.3g} > {allowed[tuple(i)].item():.3g}" for i in idx)
-            raise AssertionError(f"output {j}: {bad.sum().item()} of {o.numel()} elements mismatch "
-                                 f"(rtol {rtol}, atol {atol} * mag); first: {rows}")
+        assert_close(o, e, m, rtol=rtol, atol=atol, dtype=a[0].dtype, what=f"output {j}")
+        assert o.is_contiguous(), f"output {j} is not contiguous"
 
 
 # ---------------------------------------------------------------------------
