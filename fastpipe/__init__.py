@@ -4,7 +4,7 @@
     outs = sess.run({"x0": tensor, ...})
 """
 from fastpipe.compute_handlers import register_compute_handler, unregister_compute_handler
-from fastpipe.errors import FastpipeError
+from fastpipe.errors import BuildError, FastpipeError
 
 __version__ = "0.1.0"
 
@@ -28,7 +28,7 @@ def build(model, example_inputs=None, **kwargs):
         from fastpipe.builder.hf.build import build_hf
 
         if example_inputs is not None:
-            raise TypeError("build(path, ...): example_inputs are for nn.Module models; give batch= and seq_len=")
+            raise BuildError("build(path, ...): example_inputs are for nn.Module models; give batch= and seq_len=")
         return build_hf(model, **kwargs)
     from fastpipe.builder.api import build as _build
 

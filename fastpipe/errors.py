@@ -43,6 +43,12 @@ class InputError(InvalidInput):
     """Run-time inputs (names, shapes, dtypes, devices) or options are wrong."""
 
 
+class BuildError(InvalidInput, ValueError):
+    """The builder (``fastpipe.build``, fastpipe.builder) was given something it cannot build:
+    a model, plan, split points, tp/pp, names, a checkpoint's config or options (exit 2).
+    Also a ``ValueError``, which is what the builder raised before it had its own class."""
+
+
 class RunError(FastpipeError):
     """A valid pipeline failed while running (exit 1)."""
 

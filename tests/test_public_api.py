@@ -8,7 +8,9 @@ is imported, so ``fastpipe.build(...)`` worked once and then raised
 import importlib
 import importlib.util
 import pkgutil
+import re
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,3 +73,26 @@ def test_build_twice_in_one_process(tmp_path):
     for i, built in enumerate((first, second)):
         out = fastpipe.load(built.save(tmp_path / f"out{i}")).run({"input_0": x})
         torch.testing.assert_close(out["output"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_build_input_raises_build_error():
+    """The builder's refusals are FastpipeErrors (exit 2), and still ValueErrors for older callers."""
+    from fastpipe.builder.dimops import AnnotationError
+    from fastpipe.errors import BuildError, FastpipeError, InvalidInput
+
+    m, x = Block().eval(), torch.randn(5, 8)
+    for kwargs, message in [
+        (dict(tp=2, plan={"nope": "column"}), "plan: no submodule named 'nope'"),
+        (dict(tp=2, plan={"fc1": "diagonal"}), "plan['fc1']: expected column, column_gather, row or vocab"),
+        (dict(pp=2), "pp=2 needs 1 split points"),
+        (dict(tp=0), "tp and pp must be >= 1"),
+        (dict(tp=3, plan={"fc1": "column", "fc2": "row"}), "cannot split 16 evenly over 3 ranks"),
+    ]:
+        with pytest.raises(BuildError, match=re.escape(message)) as info:
+            fastpipe.build(m, (x,), **kwargs)
+        err = info.value
+        assert isinstance(err, FastpipeError) and isinstance(err, InvalidInput) and isinstance(err, ValueError)
+        assert err.exit_code == 2
+    with pytest.raises(BuildError, match="example_inputs are for nn.Module models"):
+        fastpipe.build("some/hf_dir", (x,))
+    assert issubclass(AnnotationError, BuildError)

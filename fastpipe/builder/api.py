@@ -17,6 +17,7 @@ from fastpipe.atomic import write_text
 from fastpipe.builder.emit import Emitter, IOSpec, RankGraph, StoredParam
 from fastpipe.builder.rewrite import shard_module
 from fastpipe.builder.sharding import apply_sharding
+from fastpipe.errors import BuildError
 from fastpipe.format import parse_pipeline
 from fastpipe.validate import validate_structure
 
@@ -38,7 +39,7 @@ class Built:
         from fastpipe.format import STYLES
 
         if style not in STYLES:
-            raise ValueError(f"style: expected one of {', '.join(STYLES)}, found {style!r}")
+            raise BuildError(f"style: expected one of {', '.join(STYLES)}, found {style!r}")
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         if self.weights:
@@ -77,7 +78,7 @@ def _stages(pp: int, split_points) -> dict[str, int]:
     if pp == 1:
         return {}
     if split_points is None or len(split_points) != pp - 1:
-        raise ValueError(f"pp={pp} needs {pp - 1} split points (module names to split before), found {split_points!r}")
+        raise BuildError(f"pp={pp} needs {pp - 1} split points (module names to split before), found {split_points!r}")
     return {name: i + 1 for i, name in enumerate(split_points)}
 
 
@@ -119,7 +120,7 @@ def build(module: nn.Module, example_inputs: Sequence[torch.Tensor], *, tp: int 
     and sends them on.
     """
     if tp < 1 or pp < 1:
-        raise ValueError(f"tp and pp must be >= 1, found tp={tp}, pp={pp}")
+        raise BuildError(f"tp and pp must be >= 1, found tp={tp}, pp={pp}")
     module = module.eval()
     stages = _stages(pp, split_points)
     state = {k: v for k, v in module.state_dict().items()}

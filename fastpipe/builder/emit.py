@@ -21,6 +21,7 @@ from fastpipe import dtypes
 from fastpipe.builder.graph_split import Segments, comm_point, split_graph
 from fastpipe.builder.markers import PIPE_SPLIT
 from fastpipe.builder.sources import Source
+from fastpipe.errors import BuildError
 from fastpipe.payload import encode_payload
 
 
@@ -269,7 +270,7 @@ class Emitter:
         if old == new:
             return
         if new in self.doc["tensors"]:
-            raise ValueError(f"output name {new!r} is used twice")
+            raise BuildError(f"output name {new!r} is used twice")
         self.doc["tensors"][new] = self.doc["tensors"].pop(old)
         for st in self.doc["supertasks"].values():
             st["inputs"] = [new if t == old else t for t in st["inputs"]]

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from fastpipe.errors import BuildError
+
 _LIB = "fastpipe"
 
 
@@ -96,4 +98,4 @@ def parse_spec(spec: str):
         return Shard(int(arg))
     if kind == "partial":
         return Partial(arg or "sum")
-    raise ValueError(f"layout spec: expected replicate, shard:D or partial[:op], found {spec!r}")
+    raise BuildError(f"layout spec: expected replicate, shard:D or partial[:op], found {spec!r}")

@@ -20,6 +20,7 @@ from torch import nn
 from fastpipe.builder import markers
 from fastpipe.builder.sources import Source
 from fastpipe.builder.tp_layers import ColumnLinear, RowLinear, VocabEmbedding
+from fastpipe.errors import BuildError
 
 log = logging.getLogger("fastpipe")
 
@@ -49,7 +50,7 @@ def make_layer(name: str, mod: nn.Module, spec: dict, rank: int, tp: int, sequen
         return RowLinear(name, tuple(weight.shape), has_bias, rank, tp, transposed=transposed, reduce_to=reduce_to)
     if kind == "vocab":
         return VocabEmbedding(name, tuple(weight.shape), rank, tp, reduce_to=reduce_to)
-    raise ValueError(f"plan[{name!r}]: expected column, column_gather, row or vocab, found {kind!r}")
+    raise BuildError(f"plan[{name!r}]: expected column, column_gather, row or vocab, found {kind!r}")
 
 
 def shard_module(model: nn.Module, plan: Mapping[str, object], rank: int, tp: int, *,
@@ -61,7 +62,7 @@ def shard_module(model: nn.Module, plan: Mapping[str, object], rank: int, tp: in
     originals = dict(model.named_modules())
     for name, v in plan.items():
         if name not in mods:
-            raise ValueError(f"plan: no submodule named {name!r}")
+            raise BuildError(f"plan: no submodule named {name!r}")
         parent_name, _, attr = name.rpartition(".")
         parent = mods[parent_name] if parent_name else local
         layer = make_layer(name, originals[name], _spec(v), rank, tp, sequence_parallel, sequence_dim) if tp > 1 else None
@@ -80,7 +81,7 @@ def shard_module(model: nn.Module, plan: Mapping[str, object], rank: int, tp: in
     for stage_name, stage in (split_points or {}).items():
         sub = dict(local.named_modules()).get(stage_name)
         if sub is None:
-            raise ValueError(f"split_points: no submodule named {stage_name!r}")
+            raise BuildError(f"split_points: no submodule named {stage_name!r}")
         sub.register_forward_pre_hook(_splitter(stage))
     return local, sources
 

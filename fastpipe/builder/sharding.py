@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from fastpipe.builder.graph_split import comm_point
 from fastpipe.builder.markers import LAYOUT, REQUIRE, TRANSITION, parse_spec
+from fastpipe.errors import BuildError
 
 aten = torch.ops.aten
 # ops linear in their first input: a partial sum stays a partial sum through them
@@ -105,7 +106,7 @@ def apply_sharding(gm: fx.GraphModule, rank: int, tp: int) -> int:
     for n in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is REQUIRE]:
         wanted = parse_spec(n.args[1])   # a require with no layout upstream: the value is replicated
         if type(wanted).__name__ != "Replicate":
-            raise ValueError(f"require({n.args[1]!r}) without a layout marker upstream")
+            raise BuildError(f"require({n.args[1]!r}) without a layout marker upstream")
         n.replace_all_uses_with(n.args[0])
         gm.graph.erase_node(n)
     gm.graph.lint()

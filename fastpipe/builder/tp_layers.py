@@ -26,6 +26,7 @@ from torch import nn
 
 from fastpipe.builder import markers
 from fastpipe.builder.sources import Source
+from fastpipe.errors import BuildError
 
 
 def _meta_param(shape) -> nn.Parameter:
@@ -34,7 +35,7 @@ def _meta_param(shape) -> nn.Parameter:
 
 def even_range(size: int, rank: int, tp: int) -> tuple[int, int]:
     if size % tp:
-        raise ValueError(f"cannot split {size} evenly over {tp} ranks")
+        raise BuildError(f"cannot split {size} evenly over {tp} ranks")
     step = size // tp
     return rank * step, (rank + 1) * step
 
@@ -51,7 +52,7 @@ class ColumnLinear(nn.Module):
         out_features = weight_shape[out_dim]
         parts = list(parts) if parts else [out_features]
         if sum(parts) != out_features:
-            raise ValueError(f"{name}: parts {parts} do not add up to {out_features} output features")
+            raise BuildError(f"{name}: parts {parts} do not add up to {out_features} output features")
         offsets = [sum(parts[:i]) for i in range(len(parts))]
         ranges = list(part_ranges) if part_ranges else [even_range(p, rank, tp) for p in parts]
         self.sources: dict[str, Source] = {}

@@ -32,7 +32,7 @@ from fastpipe.builder.hf.trace import flat_signature, traced_forward
 from fastpipe.builder.sharding import apply_sharding
 from fastpipe.builder.sources import Source
 from fastpipe.builder.tp_layers import ColumnLinear, RowLinear, VocabEmbedding
-from fastpipe.errors import InvalidInput
+from fastpipe.errors import BuildError
 from fastpipe.format import parse_pipeline
 from fastpipe.validate import validate_structure
 
@@ -48,7 +48,7 @@ SP_GATHER = {"gpt2": (r"transformer\.h\.\d+\.(attn|mlp)", r"transformer\.ln_f"),
 
 def even_split_points(family: str, n_layers: int, pp: int) -> list[str]:
     if pp > n_layers:
-        raise InvalidInput(f"pp: expected at most the number of layers ({n_layers}), found {pp}")
+        raise BuildError(f"pp: expected at most the number of layers ({n_layers}), found {pp}")
     return [f"{LAYERS[family]}.{(s * n_layers) // pp}" for s in range(1, pp)]
 
 
@@ -105,7 +105,7 @@ def rank_local(model, family: str, plan, rank: int, tp: int, *, sequence_paralle
                         setattr(mod, attr, value)
     if sp:
         if family not in SP_SCATTER:
-            raise InvalidInput(f"sequence_parallel: supported for decoders (gpt2, llama), found {family}")
+            raise BuildError(f"sequence_parallel: supported for decoders (gpt2, llama), found {family}")
         when, where = SP_SCATTER[family]
         if when == "post":
             local.get_submodule(where).register_forward_hook(
@@ -164,10 +164,10 @@ def build_hf(model_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 1,
     n_layers = len(model.get_submodule(LAYERS[family]))
     points = split_points if split_points is not None else even_split_points(family, n_layers, pp)
     if len(points) != pp - 1:
-        raise InvalidInput(f"split_points: expected {pp - 1} module names for pp={pp}, found {len(points)}")
+        raise BuildError(f"split_points: expected {pp - 1} module names for pp={pp}, found {len(points)}")
     stages = {name: i + 1 for i, name in enumerate(points)}
     if sequence_parallel and tp > 1 and seq_len % tp:
-        raise InvalidInput(f"sequence_parallel: expected seq_len divisible by tp={tp}, found {seq_len}")
+        raise BuildError(f"sequence_parallel: expected seq_len divisible by tp={tp}, found {seq_len}")
     if family == "bert":
         past_len = None
     full_sig = flat_signature(family, config, batch, seq_len, past_len, dtype=next(model.parameters()).dtype,

@@ -13,7 +13,7 @@ Families (``config.model_type`` -> family):
     bert                    -> "bert"   (BertModel, encoder only)
 Anything else, and variants whose traced graph would differ from plain causal
 attention (sliding windows, dynamic RoPE, cross-attention, BERT as a decoder),
-is refused with an ``InvalidInput`` naming the config field.
+is refused with a ``BuildError`` naming the config field.
 
 Attention implementation: ``"eager"`` (the default). Why not "sdpa": under
 make_fx, ``aten.scaled_dot_product_attention`` is CompositeImplicit and is
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from fastpipe.errors import InvalidInput, ParamError
+from fastpipe.errors import BuildError, ParamError
 
 FAMILIES = ("gpt2", "llama", "bert")
 MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "bert": "bert"}
@@ -52,13 +52,13 @@ def detect_family(config) -> str:
     mt = getattr(config, "model_type", None)
     family = MODEL_TYPES.get(mt)
     if family is None:
-        raise InvalidInput(f"config.json.model_type: expected one of {sorted(MODEL_TYPES)}, found {mt!r}")
+        raise BuildError(f"config.json.model_type: expected one of {sorted(MODEL_TYPES)}, found {mt!r}")
     _check_supported(config, family)
     return family
 
 
-def _refuse(field: str, expected: str, found: object) -> InvalidInput:
-    return InvalidInput(f"config.json.{field}: expected {expected}, found {found!r}")
+def _refuse(field: str, expected: str, found: object) -> BuildError:
+    return BuildError(f"config.json.{field}: expected {expected}, found {found!r}")
 
 
 def _check_supported(config, family: str) -> None:
@@ -91,12 +91,12 @@ def read_config(model_dir: Path):
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
     if not path.is_file():
-        raise InvalidInput(f"{path}: expected a Hugging Face config.json, found no such file")
+        raise BuildError(f"{path}: expected a Hugging Face config.json, found no such file")
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
         msg = " ".join(str(e).split())[:300]
-        raise InvalidInput(f"{path}: expected a config transformers can read, found an error: {msg}") from None
+        raise BuildError(f"{path}: expected a config transformers can read, found an error: {msg}") from None
 
 
 def model_class(family: str, config):
@@ -108,7 +108,7 @@ def model_class(family: str, config):
     if family in ("gpt2", "llama"):
         mapping = AutoModelForCausalLM._model_mapping
         return mapping[type(config)]
-    raise InvalidInput(f"family: expected one of {list(FAMILIES)}, found {family!r}")
+    raise BuildError(f"family: expected one of {list(FAMILIES)}, found {family!r}")
 
 
 def build_model(config, family: str, *, device: str | torch.device = "meta", dtype: torch.dtype | None = None,
@@ -119,7 +119,7 @@ def build_model(config, family: str, *, device: str | torch.device = "meta", dty
     non-persistent buffers are then materialized on CPU (see module docstring).
     """
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise InvalidInput(f"attn_implementation: expected one of {list(ATTN_IMPLEMENTATIONS)}, "
+        raise BuildError(f"attn_implementation: expected one of {list(ATTN_IMPLEMENTATIONS)}, "
                            f"found {attn_implementation!r}")
     cls = model_class(family, config)
     config = copy.deepcopy(config)  # _from_config writes dtype and _attn_implementation into it
@@ -161,7 +161,7 @@ def skeleton_buffers(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, buf in model.named_non_persistent_buffers():
         if buf.device.type == "meta":
-            raise InvalidInput(f"buffer {name}: expected a materialized value, found a meta tensor")
+            raise BuildError(f"buffer {name}: expected a materialized value, found a meta tensor")
         out[name] = buf
     return out
 

@@ -64,7 +64,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from fastpipe.errors import InvalidInput
+from fastpipe.errors import BuildError
 
 KINDS = ("column", "column_packed", "kv_column", "row", "row_bias", "vocab_embedding", "lm_head", "replicate")
 
@@ -80,7 +80,7 @@ class Rule:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"Rule.kind: expected one of {KINDS}, found {self.kind!r}")
+            raise BuildError(f"Rule.kind: expected one of {KINDS}, found {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class TPPlan:
         for pattern, rule in self.rules:
             if re.fullmatch(pattern, name):
                 return rule
-        raise InvalidInput(f"tp plan ({self.family}): expected a rule for parameter {name!r}, found none")
+        raise BuildError(f"tp plan ({self.family}): expected a rule for parameter {name!r}, found none")
 
 
 REPLICATE = Rule("replicate")
@@ -184,7 +184,7 @@ def tp_plan(family: str, config) -> TPPlan:
         )
         notes = ("the LayerNorm after each row layer needs the all-reduced sum (+ bias once)",)
     else:
-        raise InvalidInput(f"family: expected gpt2, llama or bert, found {family!r}")
+        raise BuildError(f"family: expected gpt2, llama or bert, found {family!r}")
     inner = getattr(config, "n_inner", None) or getattr(config, "intermediate_size", None) or 4 * H
     return TPPlan(family, rules, attn, nq, nkv, hd, V, inner, notes)
 
@@ -194,13 +194,13 @@ def tp_plan(family: str, config) -> TPPlan:
 def check_tp(n_q_heads: int, n_kv_heads: int, tp: int) -> None:
     """Refuse a tp degree the head counts cannot be split by."""
     if tp < 1:
-        raise InvalidInput(f"tp: expected >= 1, found {tp}")
+        raise BuildError(f"tp: expected >= 1, found {tp}")
     if n_q_heads % tp:
-        raise InvalidInput(f"tp: expected a divisor of num_attention_heads={n_q_heads}, found {tp}")
+        raise BuildError(f"tp: expected a divisor of num_attention_heads={n_q_heads}, found {tp}")
     if tp <= n_kv_heads and n_kv_heads % tp:
-        raise InvalidInput(f"tp: expected a divisor of num_key_value_heads={n_kv_heads} (tp <= kv heads), found {tp}")
+        raise BuildError(f"tp: expected a divisor of num_key_value_heads={n_kv_heads} (tp <= kv heads), found {tp}")
     if tp > n_kv_heads and tp % n_kv_heads:
-        raise InvalidInput(f"tp: expected a multiple of num_key_value_heads={n_kv_heads} (tp > kv heads), found {tp}")
+        raise BuildError(f"tp: expected a multiple of num_key_value_heads={n_kv_heads} (tp > kv heads), found {tp}")
 
 
 def local_heads(n_q_heads: int, n_kv_heads: int, tp: int) -> tuple[int, int]:
@@ -218,7 +218,7 @@ def kv_heads_for_rank(rank: int, tp: int, n_q_heads: int, n_kv_heads: int) -> ra
     """The KV heads rank ``rank`` holds: a block of n_kv/tp, or the single head its query heads use."""
     check_tp(n_q_heads, n_kv_heads, tp)
     if not 0 <= rank < tp:
-        raise InvalidInput(f"rank: expected 0 <= rank < {tp}, found {rank}")
+        raise BuildError(f"rank: expected 0 <= rank < {tp}, found {rank}")
     if tp <= n_kv_heads:
         per = n_kv_heads // tp
         return range(rank * per, (rank + 1) * per)
@@ -230,7 +230,7 @@ def kv_head_for_rank(rank: int, tp: int, n_q_heads: int, n_kv_heads: int) -> int
     """The one KV head of ``rank`` when tp >= n_kv (each rank holds exactly one)."""
     heads = kv_heads_for_rank(rank, tp, n_q_heads, n_kv_heads)
     if len(heads) != 1:
-        raise InvalidInput(f"tp: expected >= num_key_value_heads={n_kv_heads} for one KV head per rank, found {tp}")
+        raise BuildError(f"tp: expected >= num_key_value_heads={n_kv_heads} for one KV head per rank, found {tp}")
     return heads.start
 
 
@@ -267,7 +267,7 @@ def attribute_updates(plan: TPPlan, tp: int) -> list[tuple[str, dict[str, int]]]
 
 def _even(size: int, tp: int, rank: int, unit: int, what: str) -> tuple[int, int]:
     if size % (tp * unit):
-        raise InvalidInput(f"{what}: expected a size divisible by tp*unit={tp}*{unit}, found {size}")
+        raise BuildError(f"{what}: expected a size divisible by tp*unit={tp}*{unit}, found {size}")
     per = size // tp
     return rank * per, (rank + 1) * per
 
@@ -296,7 +296,7 @@ def shard_pieces(plan: TPPlan, name: str, shape: tuple[int, ...], rank: int, tp:
         return [at(rule.dim, *_even(shape[rule.dim], tp, rank, rule.unit, name))]
     if k == "column_packed":
         if sum(rule.parts) != shape[rule.dim]:
-            raise InvalidInput(f"{name}: expected packed parts {list(rule.parts)} to cover dim {rule.dim} "
+            raise BuildError(f"{name}: expected packed parts {list(rule.parts)} to cover dim {rule.dim} "
                                f"of size {shape[rule.dim]}, found sum {sum(rule.parts)}")
         pieces, offset = [], 0
         for size in rule.parts:

@@ -48,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from fastpipe.errors import InvalidInput
+from fastpipe.errors import BuildError
 
 # Union of call_function targets seen when tracing the three families with
 # attn_implementation="eager", fp32 and bf16, with and without a KV cache
@@ -147,14 +147,14 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
     module's). ``pooler``: BERT only, whether pooler_output exists.
     """
     if batch < 1 or seq_len < 1:
-        raise InvalidInput(f"batch, seq_len: expected >= 1, found {batch}, {seq_len}")
+        raise BuildError(f"batch, seq_len: expected >= 1, found {batch}, {seq_len}")
     dt = _dtype(config, dtype)
     i64 = torch.int64
     ins: list[tuple] = [("input_ids", (batch, seq_len), i64)]
     outs: list[tuple] = []
     if family == "bert":
         if past_len not in (None, 0):
-            raise InvalidInput(f"past_len: expected None or 0 for bert (no KV cache), found {past_len}")
+            raise BuildError(f"past_len: expected None or 0 for bert (no KV cache), found {past_len}")
         ins += [("attention_mask", (batch, seq_len), i64), ("token_type_ids", (batch, seq_len), i64)]
         outs.append(("last_hidden_state", (batch, seq_len, config.hidden_size), dt))
         if pooler:
@@ -164,7 +164,7 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
         outs.append(("logits", (batch, seq_len, config.vocab_size), dt))
         if past_len is not None:
             if past_len < 0:
-                raise InvalidInput(f"past_len: expected None or >= 0, found {past_len}")
+                raise BuildError(f"past_len: expected None or >= 0, found {past_len}")
             layers, _, kv, head_dim = attention_dims(family, config)
             kv = num_kv_heads or kv
             for layer in range(layers):
@@ -173,7 +173,7 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
                         ins.append((kv_name(layer, which), (batch, kv, past_len, head_dim), dt))
                     outs.append((kv_name(layer, which), (batch, kv, past_len + seq_len, head_dim), dt))
     else:
-        raise InvalidInput(f"family: expected gpt2, llama or bert, found {family!r}")
+        raise BuildError(f"family: expected gpt2, llama or bert, found {family!r}")
     return FlatSignature(
         family, batch, seq_len, past_len,
         tuple(FlatTensor(n, s, d, i) for i, (n, s, d) in enumerate(ins)),
@@ -220,7 +220,7 @@ def flat_cache(num_layers: int, past: tuple[torch.Tensor, ...] | list[torch.Tens
     """A transformers DynamicCache over flat tensors [l0 keys, l0 values, l1 keys, ...] (empty if none)."""
     DynamicCache, FlatLayer = _cache_classes()
     if past and len(past) != 2 * num_layers:
-        raise InvalidInput(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
+        raise BuildError(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
     cache = DynamicCache()
     cache.layer_class_to_replicate = None
     cache.layers = [FlatLayer(past[2 * l], past[2 * l + 1]) if past else FlatLayer() for l in range(num_layers)]
@@ -251,7 +251,7 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
     params += tuple(n for n, _ in model.named_buffers() if n not in non_persistent)
     pooler = getattr(model, "pooler", None) is not None
     if model.training:
-        raise InvalidInput("model: expected eval mode (dropout off), found training mode")
+        raise BuildError("model: expected eval mode (dropout off), found training mode")
     dtype = next(iter(model.parameters())).dtype
     layers = attention_dims(family, config)[0]
     sig = flat_signature(family, config, batch, seq_len, past_len, dtype=dtype, pooler=pooler,
@@ -260,10 +260,10 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
 
     def check(ps: Mapping[str, torch.Tensor], flat: tuple) -> None:
         if len(flat) != n_in:
-            raise InvalidInput(f"flat inputs: expected {n_in} ({', '.join(sig.input_names)}), found {len(flat)}")
+            raise BuildError(f"flat inputs: expected {n_in} ({', '.join(sig.input_names)}), found {len(flat)}")
         missing = [n for n in params if n not in ps]
         if missing:
-            raise InvalidInput(f"params[{missing[0]!r}]: expected a tensor, found none ({len(missing)} missing)")
+            raise BuildError(f"params[{missing[0]!r}]: expected a tensor, found none ({len(missing)} missing)")
 
     if family == "bert":
         def fn(ps, input_ids, attention_mask, token_type_ids):
@@ -296,7 +296,7 @@ def ordered(ff: FlatForward, params: Mapping[str, torch.Tensor], *, buffers: boo
     names = ff.all_names if buffers else ff.param_names
     missing = [n for n in names if n not in params]
     if missing:
-        raise InvalidInput(f"params[{missing[0]!r}]: expected a tensor, found none ({len(missing)} missing)")
+        raise BuildError(f"params[{missing[0]!r}]: expected a tensor, found none ({len(missing)} missing)")
     return {n: params[n] for n in names}
 
 
@@ -314,7 +314,7 @@ def trace_fake(ff: FlatForward, params: Mapping[str, torch.Tensor], *, device="c
     from torch.fx.experimental.proxy_tensor import make_fx
 
     if buffers not in ("inputs", "constants"):
-        raise InvalidInput(f"buffers: expected 'inputs' or 'constants', found {buffers!r}")
+        raise BuildError(f"buffers: expected 'inputs' or 'constants', found {buffers!r}")
     as_inputs = buffers == "inputs"
     ps = ordered(ff, params, buffers=as_inputs)
     mode = FakeTensorMode(allow_non_fake_inputs=not as_inputs)
