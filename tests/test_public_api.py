@@ -82,11 +82,11 @@ def test_bad_build_input_raises_build_error():
 
     m, x = Block().eval(), torch.randn(5, 8)
     for kwargs, message in [
-        (dict(tp=2, plan={"nope": "column"}), "plan: no submodule named 'nope'"),
-        (dict(tp=2, plan={"fc1": "diagonal"}), "plan['fc1']: expected column, column_gather, row or vocab"),
-        (dict(pp=2), "pp=2 needs 1 split points"),
-        (dict(tp=0), "tp and pp must be >= 1"),
-        (dict(tp=3, plan={"fc1": "column", "fc2": "row"}), "cannot split 16 evenly over 3 ranks"),
+        ({"tp": 2, "plan": {"nope": "column"}}, "plan: no submodule named 'nope'"),
+        ({"tp": 2, "plan": {"fc1": "diagonal"}}, "plan['fc1']: expected column, column_gather, row or vocab"),
+        ({"pp": 2}, "pp=2 needs 1 split points"),
+        ({"tp": 0}, "tp and pp must be >= 1"),
+        ({"tp": 3, "plan": {"fc1": "column", "fc2": "row"}}, "cannot split 16 evenly over 3 ranks"),
     ]:
         with pytest.raises(BuildError, match=re.escape(message)) as info:
             fastpipe.build(m, (x,), **kwargs)

@@ -9,7 +9,6 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fastpipe import dtypes
@@ -19,6 +18,7 @@ from fastpipe.builder.rewrite import shard_module
 from fastpipe.builder.sharding import apply_sharding
 from fastpipe.errors import BuildError
 from fastpipe.format import parse_pipeline
+from fastpipe.torch_compat import FakeTensorMode
 from fastpipe.validate import validate_structure
 
 

@@ -10,7 +10,6 @@ original checkpoint tensors. Identical graphs are stored once in `blobs`.
 from __future__ import annotations
 
 import hashlib
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -18,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from fastpipe import dtypes
-from fastpipe.builder.graph_split import Segments, comm_point, split_graph
+from fastpipe.builder.graph_split import split_graph
 from fastpipe.builder.markers import PIPE_SPLIT
 from fastpipe.builder.sources import Source
 from fastpipe.errors import BuildError

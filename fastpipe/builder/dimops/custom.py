@@ -35,14 +35,13 @@ from fastpipe.builder.dimops.errors import AnnotationError
 from fastpipe.builder.dimops.grammar import Annotation, parse
 from fastpipe.builder.dimops.infer import infer_shapes
 from fastpipe.builder.dimops.registry import annotation_for, input_shapes_for, register_annotation
+from fastpipe.torch_compat import OpOverload, OpOverloadPacket
 
 DEFAULT_NAMESPACE = "fastpipe_user"
 
 
 def _is_torch_op(obj: object) -> bool:
-    return isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or isinstance(
-        getattr(obj, "_opoverload", None), torch._ops.OpOverload
-    )
+    return isinstance(obj, (OpOverload, OpOverloadPacket)) or isinstance(getattr(obj, "_opoverload", None), OpOverload)
 
 
 def _group_names(anno: Annotation) -> set[str]:

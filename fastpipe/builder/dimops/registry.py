@@ -36,6 +36,7 @@ import torch
 
 from fastpipe.builder.dimops.errors import AnnotationError
 from fastpipe.builder.dimops.grammar import Annotation, format_annotation, parse
+from fastpipe.torch_compat import OpOverload, OpOverloadPacket
 
 Factory = Callable[..., object]
 Entry = Union[Annotation, Factory]
@@ -48,9 +49,9 @@ _BUILTINS_LOADED = False
 def op_key(op: object) -> str:
     """The registry key of ``op`` (see the module docstring)."""
     inner = getattr(op, "_opoverload", None)  # torch.library.custom_op's CustomOpDef
-    if isinstance(inner, torch._ops.OpOverload):
+    if isinstance(inner, OpOverload):
         op = inner
-    if isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(op, (OpOverload, OpOverloadPacket)):
         return str(op)
     if isinstance(op, str):
         name = op.strip()

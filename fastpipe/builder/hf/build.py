@@ -18,7 +18,6 @@ import re
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fastpipe import dtypes
@@ -34,6 +33,7 @@ from fastpipe.builder.sources import Source
 from fastpipe.builder.tp_layers import ColumnLinear, RowLinear, VocabEmbedding
 from fastpipe.errors import BuildError
 from fastpipe.format import parse_pipeline
+from fastpipe.torch_compat import FakeTensorMode
 from fastpipe.validate import validate_structure
 
 LAYERS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "encoder.layer"}

@@ -310,8 +310,9 @@ def trace_fake(ff: FlatForward, params: Mapping[str, torch.Tensor], *, device="c
     ``get_attr`` constants of the GraphModule (their real CPU values).
     ``inputs``: fake/real tensors to trace with instead of the signature's.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fastpipe.torch_compat import FakeTensor, FakeTensorMode
 
     if buffers not in ("inputs", "constants"):
         raise BuildError(f"buffers: expected 'inputs' or 'constants', found {buffers!r}")
@@ -323,7 +324,7 @@ def trace_fake(ff: FlatForward, params: Mapping[str, torch.Tensor], *, device="c
         if inputs is None:
             finputs = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in ff.signature.inputs]
         else:
-            finputs = [mode.from_tensor(x) if not isinstance(x, torch._subclasses.FakeTensor) else x
+            finputs = [mode.from_tensor(x) if not isinstance(x, FakeTensor) else x
                        for x in inputs]
     return make_fx(ff.fn, tracing_mode="fake", _allow_non_fake_inputs=not as_inputs)(fparams, *finputs)
 
