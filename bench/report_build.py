@@ -65,7 +65,7 @@ def main() -> int:
     from transformers import GPT2Config
 
     from bench.machine import machine_info
-    from fastpipe.builder.hf.checkpoint import save_random_checkpoint
+    from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "gpt2"

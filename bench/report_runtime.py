@@ -49,7 +49,7 @@ def main() -> int:
     import fastpipe
     from bench.machine import machine_info
     from fastpipe.builder.hf.build import build_hf
-    from fastpipe.builder.hf.checkpoint import save_random_checkpoint
+    from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
 
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -30,7 +30,7 @@ def main() -> int:
 
     from bench.machine import machine_info
     from fastpipe.builder.hf.build import build_hf
-    from fastpipe.builder.hf.checkpoint import save_random_checkpoint
+    from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
     from fastpipe.generate import build_generation_set, greedy_generate
     from fastpipe.serving import ModelSet
 

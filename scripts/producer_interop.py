@@ -245,7 +245,7 @@ def write_ours(folder: Path, style: str = "producer") -> list[Path]:
 
     from fastpipe.builder.api import build
     from fastpipe.builder.hf.build import build_hf
-    from fastpipe.builder.hf.checkpoint import save_random_checkpoint
+    from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
     from fastpipe.format import read_pipeline, write_pipeline
 
     out = []

@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fastpipe.builder.hf.checkpoint import save_random_checkpoint  # noqa: E402
+from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint  # noqa: E402
 from tests.tensor_compare import assert_close  # noqa: E402
 
 CONFIGS = {

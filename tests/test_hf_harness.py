@@ -29,9 +29,10 @@ from transformers import (  # noqa: E402
 
 from fastpipe.builder.hf import plans  # noqa: E402
 from fastpipe.builder.hf.checkpoint import (  # noqa: E402
-    checkpoint_index, load_tensors, save_random_checkpoint, stored_tensors, tied_parameters,
+    checkpoint_index, load_tensors, stored_tensors, tied_parameters,
 )
 from fastpipe.builder.hf.load import detect_family, load_skeleton, skeleton_buffers  # noqa: E402
+from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint  # noqa: E402
 from fastpipe.builder.hf.trace import (  # noqa: E402
     ATEN_OPS, call_targets, flat_signature, ordered, trace_fake, traced_forward,
 )

@@ -153,7 +153,7 @@ def test_build_save_in_producer_style(tmp_path):
 
 
 def test_cli_build_style_producer(tmp_path, capsys):
-    from fastpipe.builder.hf.checkpoint import save_random_checkpoint
+    from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
     from fastpipe.cli import main
 
     transformers = pytest.importorskip("transformers")

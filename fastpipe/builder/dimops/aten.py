@@ -34,9 +34,15 @@ import math
 
 import torch
 
-from fastpipe.builder.dimops.registry import register_annotation
-
 aten = torch.ops.aten
+
+# (op, annotation string or factory), in order; the registry registers them all before its
+# first use (registry._ensure_builtins), so this module imports nothing from the registry.
+BUILTINS: list[tuple[object, object]] = []
+
+
+def _builtin(op, entry) -> None:
+    BUILTINS.append((op, entry))
 
 
 # ---------------------------------------------------------------- helpers
@@ -107,7 +113,7 @@ def _broadcast(shapes, names_from=_letters):
 
 def _reg(ops, entry) -> None:
     for op in ops:
-        register_annotation(op, entry)
+        _builtin(op, entry)
 
 
 def _ops(*names: str):
@@ -179,8 +185,8 @@ _reg(_ops("triu.default", "tril.default"), triangular)
 
 # ---------------------------------------------------------------- contractions
 
-register_annotation(aten.mm.default, "m k+, k+ n -> m n")
-register_annotation(aten.bmm.default, "b m k+, b k+ n -> b m n")
+_builtin(aten.mm.default, "m k+, k+ n -> m n")
+_builtin(aten.bmm.default, "b m k+, b k+ n -> b m n")
 
 
 def addmm(bias, m1, m2, beta=1, alpha=1):
@@ -195,7 +201,7 @@ def addmm(bias, m1, m2, beta=1, alpha=1):
     return f"{bias_t}, m k^, k^ n -> m n"
 
 
-register_annotation(aten.addmm.default, addmm)
+_builtin(aten.addmm.default, addmm)
 
 
 def linear(x, w, bias=None):
@@ -211,7 +217,7 @@ def linear(x, w, bias=None):
     return f"{_j(lead + ['k^'])}, n k^, {bias_t} -> {_j(lead + ['n'])}"
 
 
-register_annotation(aten.linear.default, linear)
+_builtin(aten.linear.default, linear)
 
 
 def matmul(a, b):
@@ -235,7 +241,7 @@ def matmul(a, b):
     return f"{pa}m k+, {pb}k+ n -> {out} m n"
 
 
-register_annotation(aten.matmul.default, matmul)
+_builtin(aten.matmul.default, matmul)
 
 
 # ---------------------------------------------------------------- layout ops
@@ -272,9 +278,9 @@ def permute(x, dims):
     return f"{_j(names)} -> {_j(names[i] for i in idx)}"
 
 
-register_annotation(aten.t.default, t)
-register_annotation(aten.transpose.int, transpose)
-register_annotation(aten.permute.default, permute)
+_builtin(aten.t.default, t)
+_builtin(aten.transpose.int, transpose)
+_builtin(aten.permute.default, permute)
 
 
 def _resolve_shape(shape, numel):
@@ -366,7 +372,7 @@ def expand(x, size, implicit=False):
     return f"{_j(ins)} -> {_j(outs)}"
 
 
-register_annotation(aten.expand.default, expand)
+_builtin(aten.expand.default, expand)
 
 
 def unsqueeze(x, dim):
@@ -407,7 +413,7 @@ def squeeze(x, dim=None):
     return _squeeze(s, dims)
 
 
-register_annotation(aten.unsqueeze.default, unsqueeze)
+_builtin(aten.unsqueeze.default, unsqueeze)
 _reg(_ops("squeeze.default", "squeeze.dim", "squeeze.dims"), squeeze)
 
 
@@ -449,8 +455,8 @@ def amax(x, dim=(), keepdim=False):
     return _reduce(x, dim, keepdim, "^")
 
 
-register_annotation(aten.sum.dim_IntList, sum_dim)
-register_annotation(aten.mean.dim, mean_dim)
+_builtin(aten.sum.dim_IntList, sum_dim)
+_builtin(aten.mean.dim, mean_dim)
 _reg(_ops("amax.default", "amin.default"), amax)
 
 
@@ -508,8 +514,8 @@ def rms_norm(x, normalized_shape, weight=None, eps=None):
     return f"{_j(lead + norm)}, ?, {w} -> {_j(lead + norm)}"
 
 
-register_annotation(aten.native_layer_norm.default, native_layer_norm)
-register_annotation(aten.layer_norm.default, layer_norm)
+_builtin(aten.native_layer_norm.default, native_layer_norm)
+_builtin(aten.layer_norm.default, layer_norm)
 _reg(_ops("rms_norm.default"), rms_norm)
 
 
@@ -522,7 +528,7 @@ def embedding(weight, indices, *args, **kwargs):
     return f"v^ e, {idx} -> {_j(names + ['e'])}"
 
 
-register_annotation(aten.embedding.default, embedding)
+_builtin(aten.embedding.default, embedding)
 
 
 # ---------------------------------------------------------------- pieces of a dim
@@ -552,7 +558,7 @@ def cat(tensors, dim=0):
     return f"{', '.join(parts)} -> {out}"
 
 
-register_annotation(aten.cat.default, cat)
+_builtin(aten.cat.default, cat)
 
 
 def _pieces(x, sizes, dim, drop=False):
@@ -593,9 +599,9 @@ def unbind(x, dim=0):
     return _pieces(x, [1] * s[_norm(dim, len(s))], dim, drop=True)
 
 
-register_annotation(aten.split.Tensor, split_tensor)
-register_annotation(aten.split_with_sizes.default, split_with_sizes)
-register_annotation(aten.unbind.int, unbind)
+_builtin(aten.split.Tensor, split_tensor)
+_builtin(aten.split_with_sizes.default, split_with_sizes)
+_builtin(aten.unbind.int, unbind)
 
 
 def slice_tensor(x, dim=0, start=None, end=None, step=1):
@@ -626,8 +632,8 @@ def select(x, dim, index):
     return f"{ins} -> {_j(names[k] for k in range(len(s)) if k != d)}"
 
 
-register_annotation(aten.slice.Tensor, slice_tensor)
-register_annotation(aten.select.int, select)
+_builtin(aten.slice.Tensor, slice_tensor)
+_builtin(aten.select.int, select)
 
 
 # ---------------------------------------------------------------- attention
@@ -683,7 +689,7 @@ def sdpa_flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, s
     return f"{', '.join(ins)} -> {out}, {lse}"
 
 
-register_annotation(aten.scaled_dot_product_attention.default, sdpa)
+_builtin(aten.scaled_dot_product_attention.default, sdpa)
 _reg(_ops("_scaled_dot_product_flash_attention_for_cpu.default"), sdpa_flash_cpu)
 
 
@@ -721,5 +727,5 @@ def zeros(size, *args, **kwargs):
 
 
 _reg(_ops("arange.default", "arange.start", "arange.start_step"), arange)
-register_annotation(aten.full.default, full)
+_builtin(aten.full.default, full)
 _reg(_ops("zeros.default", "ones.default", "empty.memory_format"), zeros)

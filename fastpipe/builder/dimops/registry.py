@@ -195,7 +195,10 @@ def _ensure_builtins() -> None:
         if _BUILTINS_LOADED:
             return
         _BUILTINS_LOADED = True
-    from fastpipe.builder.dimops import aten  # noqa: F401  (registers the aten rules)
+    from fastpipe.builder.dimops.aten import BUILTINS
+
+    for op, entry in BUILTINS:
+        register_annotation(op, entry)
 
 
 __all__ = ["register_annotation", "unregister_annotation", "annotation_for", "call_slots", "input_shapes_for", "op_key"]

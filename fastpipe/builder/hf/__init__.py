@@ -8,14 +8,13 @@
 
 Importing this package does not import transformers; the functions do.
 """
-from .checkpoint import (
-    StoredTensor, checkpoint_index, load_tensors, save_random_checkpoint, stored_tensors, tied_parameters,
-)
+from .checkpoint import StoredTensor, checkpoint_index, load_tensors, stored_tensors, tied_parameters
 from .load import build_model, detect_family, load_skeleton, skeleton_buffers
 from .plans import (
     Rule, TPPlan, attribute_updates, check_plan, kv_head_for_rank, kv_heads_for_rank, lm_head_sharded,
     local_heads, shard_pieces, tp_plan, vocab_range,
 )
+from .random_checkpoint import save_random_checkpoint
 from .trace import ATEN_OPS, FlatForward, FlatSignature, FlatTensor, flat_signature, ordered, trace_fake, traced_forward
 
 __all__ = [
