@@ -247,12 +247,14 @@ def write_ours(folder: Path, style: str = "producer") -> list[Path]:
     from fastpipe.builder.hf.build import build_hf
     from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
     from fastpipe.format import read_pipeline, write_pipeline
+    from fastpipe.payload import to_torch21
 
     out = []
     for example in sorted(p for p in (ROOT / "graphs").iterdir() if (p / "pipeline.json").exists()):
         dest = folder / f"example_{example.name}"
         shutil.copytree(example, dest, dirs_exist_ok=True)
-        write_pipeline(read_pipeline(dest / "pipeline.json"), dest / "pipeline.json", style=style)
+        write_pipeline(read_pipeline(dest / "pipeline.json"), dest / "pipeline.json", style=style,
+                       rewrite_payload=to_torch21 if style == "producer-2024.1" else None)
         out.append(dest / "pipeline.json")
     configs = {
         "llama": transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,

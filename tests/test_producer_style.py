@@ -72,7 +72,7 @@ def test_example_in_producer_style_runs_to_the_same_outputs(name, style, tmp_pat
     src = copy_example(name, tmp_path)
     p = read_pipeline(src)
     out = src.parent / "producer.json"
-    write_pipeline(p, out, style=style)
+    write_pipeline(p, out, style=style, rewrite_payload=to_torch21 if style == "producer-2024.1" else None)
     doc = json.loads(out.read_text())
     check_layout(doc, out.parent)
     q = read_pipeline(out)
@@ -195,6 +195,15 @@ def test_unknown_style_is_refused(tmp_path):
     src = copy_example("tp_mlp", tmp_path)
     with pytest.raises(FormatError, match=r"^style: expected one of fastpipe, producer, producer-2024.1, found 'npu'$"):
         write_pipeline(read_pipeline(src), src.parent / "x.json", style="npu")
+
+
+def test_torch21_style_needs_the_payload_rewriter_handed_in(tmp_path):
+    """The format layer imports no payload code: the 2024.1 payload dialect comes from the caller."""
+    src = copy_example("tp_mlp", tmp_path)
+    with pytest.raises(FormatError, match=r"^rewrite_payload: expected the torch 2.1 payload rewriter for style "
+                                          r"'producer-2024.1' \(fastpipe.payload.to_torch21\), found none$"):
+        write_pipeline(read_pipeline(src), src.parent / "x.json", style="producer-2024.1")
+    assert not (src.parent / "x.json").exists()
 
 
 def test_side_file_blobs_travel_to_another_folder(tmp_path):

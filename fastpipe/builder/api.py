@@ -54,7 +54,10 @@ class Built:
         if style != "fastpipe":
             from fastpipe.format import write_pipeline
 
-            write_pipeline(parse_pipeline(self.doc, source_dir=out.resolve()), out / "pipeline.json", style=style)
+            from fastpipe.payload import to_torch21
+
+            write_pipeline(parse_pipeline(self.doc, source_dir=out.resolve()), out / "pipeline.json", style=style,
+                           rewrite_payload=to_torch21 if style == "producer-2024.1" else None)
         else:
             write_text(out / "pipeline.json", json.dumps(self.doc, indent=1) + "\n")
         return out / "pipeline.json"

@@ -38,12 +38,14 @@ def _style(style: str) -> str:
     return style
 
 
-def _producer_form(p: Pipeline, style: str):
+def _producer_form(p: Pipeline, style: str, rewrite_payload):
     rewrite = None
     if style == "producer-2024.1":
-        from fastpipe.payload.torch21 import to_torch21   # the one payload-dialect step of the format layer
-
-        rewrite = to_torch21
+        # the payload dialect belongs to the payload layer, above this one: the caller hands it in
+        if rewrite_payload is None:
+            raise FormatError("rewrite_payload: expected the torch 2.1 payload rewriter for style 'producer-2024.1' "
+                              "(fastpipe.payload.to_torch21), found none")
+        rewrite = rewrite_payload
 
     def blob_text(bid: str) -> str:
         if p.source_dir is None:
@@ -54,25 +56,26 @@ def _producer_form(p: Pipeline, style: str):
     return producer_form(p, blob_text=blob_text, rewrite_payload=rewrite)
 
 
-def dumps_pipeline(p: Pipeline, *, style: str = "fastpipe") -> str:
+def dumps_pipeline(p: Pipeline, *, style: str = "fastpipe", rewrite_payload=None) -> str:
     """The JSON text; in the producer styles its blobs are null (see write_pipeline for the side files)."""
     if _style(style) != "fastpipe":
-        return strict_json.dumps(pipeline_to_json(_producer_form(p, style)[0], every_field=True))
+        return strict_json.dumps(pipeline_to_json(_producer_form(p, style, rewrite_payload)[0], every_field=True))
     return strict_json.dumps(pipeline_to_json(p))
 
 
-def write_pipeline(p: Pipeline, path: str | os.PathLike, *, style: str = "fastpipe") -> None:
+def write_pipeline(p: Pipeline, path: str | os.PathLike, *, style: str = "fastpipe", rewrite_payload=None) -> None:
     """Write atomically. style="fastpipe" keeps the spellings p was read with; style="producer"
     writes what furiosa-llm 2024.2.0 and later write and read (fastpipe.format.producer_style),
     with each payload blob in a `<blob-id>.fx` file beside the pipeline; "producer-2024.1" also
-    rewrites every payload for the torch 2.1 deserializer of furiosa-llm 2024.1.x. Param file
+    rewrites every payload for the torch 2.1 deserializer of furiosa-llm 2024.1.x with
+    `rewrite_payload=fastpipe.payload.to_torch21` (the format layer imports no payload code). Param file
     paths are written as they are: relative ones resolve against the folder written to, so
     write beside the weights (or copy them)."""
     path = Path(path)
     if _style(style) == "fastpipe":
         write_text(path, dumps_pipeline(p))
         return
-    q, side = _producer_form(p, style)
+    q, side = _producer_form(p, style, rewrite_payload)
     folder = path.resolve().parent
     for name, text in side.items():
         write_text(folder / name, text)

@@ -11,8 +11,10 @@ from fastpipe.payload.decoded import DecodedGraph, TensorMeta
 from fastpipe.payload.encode import encode_payload
 from fastpipe.payload.fake import propagate_metas
 from fastpipe.payload.targets import allow_namespace, disallow_namespace, allowed_namespaces
+from fastpipe.payload.torch21 import to_torch21
 
 __all__ = [
+    "to_torch21",
     "DecodedGraph",
     "TensorMeta",
     "allow_namespace", "disallow_namespace",
