@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fastpipe.assemble import Assembler
+from fastpipe.builder.assemble import Assembler
 
 
 def write_load_pipeline(folder: Path, total_mb: int = 256, tensors: int = 16, slots: int = 2) -> tuple[Path, Path]:

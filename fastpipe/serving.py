@@ -52,10 +52,10 @@ class Bucket:
 
 class ModelSet:
     def __init__(self, pipelines: Sequence[str | os.PathLike], *, store: WeightStore | None = None, **load_kwargs):
-        import fastpipe
+        from fastpipe.session import load
 
         self.store = store or WeightStore()
-        self.buckets = [Bucket(fastpipe.load(p, store=self.store, **load_kwargs)) for p in pipelines]
+        self.buckets = [Bucket(load(p, store=self.store, **load_kwargs)) for p in pipelines]
         self._closed = False
 
     def run_model(self, *, check_replicas: bool = False, **model_inputs: Any) -> dict[str, torch.Tensor]:

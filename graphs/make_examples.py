@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from fastpipe.assemble import Assembler
+from fastpipe.builder.assemble import Assembler
 
 HERE = Path(__file__).resolve().parent
 F32 = "f32"

@@ -57,7 +57,7 @@ def write_bad_index_pipeline(folder, n_ids: int = 3):
     """One slot, y = table[ids]: valid, but fails at run time when an id is out of range."""
     import json
 
-    from fastpipe.assemble import Assembler
+    from fastpipe.builder.assemble import Assembler
 
     a = Assembler("bad_index")
     a.slot("0", "cpu:0")

@@ -102,7 +102,7 @@ def test_moe_on_4_ranks_permuted(tmp_path):
 # ---------------------------------------------------------------------------- every comm kind, odd dtypes
 def _zoo(folder: Path) -> Path:
     """3 slots; each comm kind once, in dtypes the backends lack or reduce differently."""
-    from fastpipe.assemble import Assembler
+    from fastpipe.builder.assemble import Assembler
 
     a = Assembler("zoo")
     for s in "012":
@@ -240,7 +240,7 @@ def test_builder_tp2_pp2_on_4_ranks_python_api_chunks_trace(tmp_path, built):
 # ---------------------------------------------------------------------------- failures
 def _failing(folder: Path) -> Path:
     """Slot 1 indexes a table with an out-of-range id (fails at run time); slot 0 waits for it in a recv."""
-    from fastpipe.assemble import Assembler
+    from fastpipe.builder.assemble import Assembler
 
     a = Assembler("fails_on_slot_1")
     a.slot("0", "cpu:0")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastpipe
-from fastpipe.assemble import Assembler
+from fastpipe.builder.assemble import Assembler
 from fastpipe.errors import RunError
 from fastpipe.payload import allow_namespace, disallow_namespace
 from tests.examples import ROOT

@@ -42,7 +42,7 @@ PKG = ROOT / "fastpipe"
 ABOVE_PURE_DATA = (
     "fastpipe.payload", "fastpipe.weights", "fastpipe.comm", "fastpipe.runtime", "fastpipe.lower",
     "fastpipe.cli", "fastpipe.session", "fastpipe.serving", "fastpipe.generate", "fastpipe.builder",
-    "fastpipe.build", "fastpipe.kernels", "fastpipe.assemble",
+    "fastpipe.build", "fastpipe.kernels",
 )
 # validate_structure and the rule modules it runs; the closure below also covers anything they import.
 VALIDATE_RULES = (
@@ -472,3 +472,42 @@ def test_import_graph_follows_the_stated_edges():
     assert "fastpipe.validate.structure" in by_target          # from fastpipe.validate.structure import ...
     assert "fastpipe.validate" not in GRAPH["fastpipe.validate.rules"]   # no implicit parent edge
     assert "fastpipe.format.strict_json" in GRAPH["fastpipe.format"]     # from fastpipe.format import strict_json
+
+
+# ---------------------------------------------------------------------------------- (e) the layer table
+# docs/architecture.md's table: a module may import only from its own layer or below.
+LAYERS = [
+    (0, ("fastpipe.errors", "fastpipe.dtypes", "fastpipe.atomic", "fastpipe.torch_compat", "fastpipe.options",
+         "fastpipe.compute_handlers", "fastpipe.compare")),
+    (1, ("fastpipe.format",)),
+    (2, VALIDATE_RULES + ("fastpipe.payload", "fastpipe.weights", "fastpipe.comm", "fastpipe.kernels")),
+    (3, ("fastpipe.validate",)),
+    (4, ("fastpipe.lower", "fastpipe.builder")),
+    (5, ("fastpipe.runtime",)),
+    (6, ("fastpipe.session", "fastpipe.serving", "fastpipe.generate", "fastpipe.model_io", "fastpipe.random_inputs",
+         "fastpipe.summary")),
+    (7, ("fastpipe.cli", "fastpipe.__main__", "fastpipe")),
+]
+
+
+def layer_of(mod: str) -> int:
+    """The layer of the most specific entry that names `mod` or a package above it."""
+    best = None
+    for layer, names in LAYERS:
+        for name in names:
+            if (mod == name or mod.startswith(name + ".")) and (best is None or len(name) > len(best[1])):
+                best = (layer, name)
+    assert best is not None, f"{mod} is in no layer of the table"
+    return best[0]
+
+
+def test_imports_follow_the_layer_table():
+    bad = [f"{mod} (layer {layer_of(mod)}) imports {dep} (layer {layer_of(dep)}) at {_where(mod, line)}"
+           for mod, deps in GRAPH.items() for dep, line in deps.items() if layer_of(dep) > layer_of(mod)]
+    assert not bad, "imports against docs/architecture.md's layers:\n  " + "\n  ".join(bad)
+
+
+def test_the_layer_table_sees_an_upward_import():
+    assert layer_of("fastpipe.validate.rules") == 2 and layer_of("fastpipe.validate.files") == 3
+    assert layer_of("fastpipe.runtime.fuse") > layer_of("fastpipe.lower.check") > layer_of("fastpipe.format.parse")
+    assert layer_of("fastpipe") == 7 and layer_of("fastpipe.cli.main") == 7

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastpipe
-from fastpipe.assemble import Assembler
+from fastpipe.builder.assemble import Assembler
 
 N = 3
 OPS = ["sum", "avg", "max", "min"]
