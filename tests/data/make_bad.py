@@ -15,7 +15,7 @@ The CLI is run with the case folder as the working directory, as
 are relative to the case folder. tests/test_refusals.py runs every case.
 
 Every case is a valid pipeline (built from small torch functions with
-fastpipe.assemble.Assembler, so payloads are real) with exactly one thing broken, so
+fastpipe.builder.assemble.Assembler, so payloads are real) with exactly one thing broken, so
 the refusal it pins does not depend on the order in which fastpipe checks things.
 The output is deterministic for a given torch version. Symlinks are relative (git
 keeps them); ``SYMLINKS`` lists them so a checkout without symlink support can
@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from fastpipe.assemble import Assembler  # noqa: E402
+from fastpipe.builder.assemble import Assembler  # noqa: E402
 
 BAD = HERE / "bad"
 DOCS = ROOT / "docs" / "refusals.md"
