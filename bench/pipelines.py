@@ -71,12 +71,10 @@ def touch_all(tensors) -> float:
 
 def session_constants(sess) -> list:
     """The distinct constant tensors a session bound (each once)."""
-    import torch
-
     seen = {}
-    for step in sess.steps:
-        for r in step.reads:
-            if isinstance(r, torch.Tensor):
+    for steps in sess.program.steps.values():
+        for step in steps:
+            for r in step.constants.values():
                 seen[id(r)] = r
     return list(seen.values())
 
