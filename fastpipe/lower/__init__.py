@@ -1,4 +1,4 @@
-"""Layer 4: lowering a validated pipeline to a Program, and checking and printing Programs.
+"""Layer 4 (docs/architecture.md): lowering a validated pipeline to a Program, and checking and printing Programs.
 
     program = lower(checked)                  # per-slot ordered steps + cross-slot waits + frees
     check_program(program, checked)           # raises ProgramError (with .marks) if it could hang
