@@ -136,7 +136,10 @@ class Session:
         """
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise InputError(f"chunks: expected an integer >= 1, found {chunks!r}")
-        if self.compile_report is None and self.run_options.compile:   # the same decision on every rank
+        # compile at the first run when there is something to compile (dist: every rank warms up together,
+        # so the decision must not depend on which slots this rank holds)
+        wants = self.run_options.compile if self.processor == "dist" else bool(self._binder.compiled)
+        if self.compile_report is None and wants:
             self.compile()
         if self.processor == "dist":   # every rank calls run; rank 0 gets the outputs (dist_processor)
             return self._processor.session_run(inputs, chunks=chunks, trace=trace)

@@ -104,9 +104,8 @@ def bind(program: Program, checked, binder: Binder, local_slots=None) -> Program
         if slot not in local:
             steps[slot] = ss
             continue
-        out = []
+        out, dev = [], devices[slot]
         for st in ss:
-            dev = devices[slot]
             consts = binder.constants_for(st.reads, dev)
             fn = None
             if st.kind == "compute":

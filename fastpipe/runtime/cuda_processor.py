@@ -79,7 +79,7 @@ class CudaProcessor:
                 steps = program.members(st.group)
                 writes = [n for m in steps for n in m.writes]
                 self._run_on(stream, steps, program.group_fns[st.group], writes, env, made_on,
-                             group_where(program, st.group), f"fp:group:{st.group}")
+                             lambda g=st.group: group_where(program, g), f"fp:group:{st.group}")
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 for ms, mi in members:
@@ -88,12 +88,12 @@ class CudaProcessor:
                 continue
             for ws, wi in st.waits:
                 stream.wait_event(done[(ws, wi)])
-            self._run_on(stream, [st], st.fn, st.writes, env, made_on, step_where(st), st.label)
+            self._run_on(stream, [st], st.fn, st.writes, env, made_on, lambda st=st: step_where(st), st.label)
             ev = torch.cuda.Event()
             ev.record(stream)
             done[(slot, i)] = ev
 
-    def _run_on(self, stream, steps, fn, writes, env, made_on, where: str, label: str) -> None:
+    def _run_on(self, stream, steps, fn, writes, env, made_on, where, label: str) -> None:
         with torch.cuda.stream(stream):
             for st in steps:
                 for n in st.reads:

@@ -127,6 +127,7 @@ class DistProcessor:
         local = set(plan.local_slots)
         self.local = local
         self.order = [(s, i) for s, i in simulate(program) if s in local]
+        self.input_devices = program.input_devices()
         rank_sets, infos = [], []
         for g in program.groups:
             cg = checked.groups[g]
@@ -224,7 +225,7 @@ class DistProcessor:
         present = tuple(n for n in p.input_names if n in inputs)
         view = {n: (inputs[n][: p.tensors[n].shape[0]] if chunks > 1 and isinstance(inputs[n], torch.Tensor) and inputs[n].dim()
                     else inputs[n]) for n in present}
-        check_inputs(SimpleNamespace(input_names=present, tensors=p.tensors), view, self.program.input_devices())
+        check_inputs(SimpleNamespace(input_names=present, tensors=p.tensors), view, self.input_devices)
 
     # ------------------------------------------------------------------ one call
     def run(self, parts: list[dict], events: list | None = None) -> list[dict]:

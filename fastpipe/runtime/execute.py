@@ -59,8 +59,8 @@ def step_args(step: Step, env: dict) -> list[torch.Tensor]:
     return [a if dev is None or a.device == dev else a.to(dev) for a in args]
 
 
-def call(fn, args: list, n_writes: int, where: str, label: str) -> Sequence[torch.Tensor]:
-    """fn(args), failures raised as RunError naming `where`."""
+def call(fn, args: list, n_writes: int, where: Callable[[], str], label: str) -> Sequence[torch.Tensor]:
+    """fn(args), failures raised as RunError naming `where()` (formatted only on failure: this is the hot path)."""
     try:
         with torch.profiler.record_function(label):
             outs = fn(args)
@@ -68,24 +68,21 @@ def call(fn, args: list, n_writes: int, where: str, label: str) -> Sequence[torc
         raise
     except Exception as e:  # noqa: BLE001 - reported with the step that failed
         msg = " ".join(str(e).split()) or type(e).__name__
-        raise RunError(f"{where}: failed: {type(e).__name__}: {msg}") from e
+        raise RunError(f"{where()}: failed: {type(e).__name__}: {msg}") from e
     if len(outs) != n_writes:
-        raise RunError(f"{where}: expected {n_writes} outputs, found {len(outs)}")
+        raise RunError(f"{where()}: expected {n_writes} outputs, found {len(outs)}")
     return outs
 
 
 def run_compute(step: Step, env: dict) -> None:
-    env.update(zip(step.writes, call(step.fn, step_args(step, env), len(step.writes), step_where(step), step.label)))
-
-
-def group_args(program: Program, group: str, env: dict) -> list[torch.Tensor]:
-    return [a for st in program.members(group) for a in step_args(st, env)]
+    outs = call(step.fn, step_args(step, env), len(step.writes), lambda: step_where(step), step.label)
+    env.update(zip(step.writes, outs))
 
 
 def run_group(program: Program, group: str, env: dict) -> None:
     """Run the whole group (every member's step) on the tensors in env; write every member's outputs."""
     members = program.members(group)
     writes = [n for st in members for n in st.writes]
-    outs = call(program.group_fns[group], group_args(program, group, env), len(writes), group_where(program, group),
-                f"fp:group:{group}")
+    outs = call(program.group_fns[group], [a for st in members for a in step_args(st, env)], len(writes),
+                lambda: group_where(program, group), f"fp:group:{group}")
     env.update(zip(writes, outs))
