@@ -1,6 +1,8 @@
 """What the CLI's commands share: load options from flags, reading and writing files, reporting a run."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from fastpipe.errors import InputError
 
 EXIT_INVALID = 2
@@ -29,16 +31,32 @@ def device_map_of(args):
     return parse_device_map_option(args.device_map) if getattr(args, "device_map", None) else None
 
 
-def read_tensors(path: str, option: str):
+@contextmanager
+def reading_safetensors(path: str, option: str):
+    """Around opening a safetensors file: a missing or unreadable file becomes one InputError naming `option`."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     try:
-        return load_file(path)
+        yield
     except FileNotFoundError:
         raise InputError(f"{option}: expected a safetensors file, found no file \"{path}\"") from None
     except (SafetensorError, OSError, ValueError) as e:
         raise InputError(f"{option}: expected a safetensors file, found \"{path}\" unreadable: {' '.join(str(e).split())}") from None
+
+
+def read_tensors(path: str, option: str):
+    from safetensors.torch import load_file
+
+    with reading_safetensors(path, option):
+        return load_file(path)
+
+
+def check_counts(args) -> None:
+    """--repeat, --warmup and --chunks of `fastpipe run` (one process or many)."""
+    if args.repeat < 1 or args.warmup < 0:
+        raise InputError(f"--repeat/--warmup: expected --repeat >= 1 and --warmup >= 0, found {args.repeat} and {args.warmup}")
+    if args.chunks < 1:
+        raise InputError(f"--chunks: expected >= 1, found {args.chunks}")
 
 
 def check_writable(path: str, option: str) -> None:

@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from fastpipe.cli.common import (check_writable, device_map_of, load_options, read_tensors, report_results,
-                                 run_options)
+from fastpipe.cli.common import (check_counts, check_writable, device_map_of, load_options, read_tensors,
+                                 reading_safetensors, report_results, run_options)
 from fastpipe.errors import FastpipeError, InputError
 from fastpipe.runtime.dist_setup import check_slot_ranks, env_world
 
@@ -82,10 +82,7 @@ def wants_dist(args) -> bool:
 
 
 def _check_common(args) -> None:
-    if args.repeat < 1 or args.warmup < 0:
-        raise InputError(f"--repeat/--warmup: expected --repeat >= 1 and --warmup >= 0, found {args.repeat} and {args.warmup}")
-    if args.chunks < 1:
-        raise InputError(f"--chunks: expected >= 1, found {args.chunks}")
+    check_counts(args)
     if not args.dist_timeout > 0:
         raise InputError(f"--dist-timeout: expected seconds > 0, found {args.dist_timeout:g}")
     if args.processor not in ("auto", "dist"):
@@ -160,24 +157,18 @@ def _precheck(args, world: int) -> None:
 
 def read_local_inputs(path: str, p, names) -> dict[str, torch.Tensor]:
     """Open the --inputs file; check its names against the pipeline's; read only `names`."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
-    try:
-        with safe_open(path, framework="pt") as f:
-            keys = list(f.keys())
-            for k in keys:
-                if k not in p.input_names:
-                    raise InputError(f"inputs[\"{k}\"]: expected one of the pipeline inputs ({', '.join(p.input_names)}), "
-                                     "found an unknown name")
-            for k in p.input_names:
-                if k not in keys:
-                    raise InputError(f"inputs[\"{k}\"]: expected a tensor for this pipeline input, found none")
-            return {k: f.get_tensor(k) for k in names}
-    except FileNotFoundError:
-        raise InputError(f"--inputs: expected a safetensors file, found no file \"{path}\"") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        why = " ".join(str(e).split())
-        raise InputError(f"--inputs: expected a safetensors file, found \"{path}\" unreadable: {why}") from None
+    with reading_safetensors(path, "--inputs"), safe_open(path, framework="pt") as f:
+        keys = list(f.keys())
+        for k in keys:
+            if k not in p.input_names:
+                raise InputError(f"inputs[\"{k}\"]: expected one of the pipeline inputs ({', '.join(p.input_names)}), "
+                                 "found an unknown name")
+        for k in p.input_names:
+            if k not in keys:
+                raise InputError(f"inputs[\"{k}\"]: expected a tensor for this pipeline input, found none")
+        return {k: f.get_tensor(k) for k in names}
 
 
 def _rank_main(args, rank: int) -> int:

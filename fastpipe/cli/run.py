@@ -4,7 +4,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from fastpipe.cli.common import check_writable, device_map_of, load_options, read_tensors, report_results, run_options
+from fastpipe.cli.common import (check_counts, check_writable, device_map_of, load_options, read_tensors, report_results,
+                                 run_options)
 from fastpipe.errors import InputError
 
 
@@ -20,16 +21,13 @@ def cmd_run(args) -> int:
         return dist.cli_run(args)
     if not 0 <= args.seed < 2**63:
         raise InputError(f"--seed: expected 0 <= seed < 2**63, found {args.seed}")
-    if args.repeat < 1 or args.warmup < 0:
-        raise InputError(f"--repeat/--warmup: expected --repeat >= 1 and --warmup >= 0, found {args.repeat} and {args.warmup}")
+    check_counts(args)
     device_map = device_map_of(args)
     if args.outputs:
         check_writable(args.outputs, "--outputs")
     p = read_pipeline(args.pipeline)
     inputs = read_tensors(args.inputs, "--inputs") if args.inputs else random_inputs(p, args.seed)
     expected = read_tensors(args.check, "--check") if args.check else None
-    if args.chunks < 1:
-        raise InputError(f"--chunks: expected >= 1, found {args.chunks}")
     if args.trace:
         check_writable(args.trace, "--trace")
     if args.chunks > 1 and not args.inputs:
