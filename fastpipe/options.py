@@ -2,7 +2,7 @@
 
     LoadOptions(allow_outside_paths=False, trust_export_archives=False, check_payloads=True)
     RunOptions(processor="reference", compile=False, compile_policy="warn", cuda_graph=True,
-               fuse="auto", slot_ranks=None, dist_timeout=None)
+               fuse="auto", merge_shards=True, slot_ranks=None, dist_timeout=None)
 
 Both check their fields on construction and raise InputError, one line naming the field
 (`fuse: expected auto, off or always, found "yes"`). `fastpipe.load(...)` takes the same
@@ -16,7 +16,7 @@ from typing import Mapping
 
 from fastpipe.errors import InputError
 
-PROCESSORS = ("auto", "reference", "cpu", "cuda", "dist")
+PROCESSORS = ("auto", "reference", "region", "cpu", "cuda", "dist")
 
 
 def _flag(name: str, value) -> None:
@@ -41,8 +41,9 @@ class LoadOptions:
 @dataclass(frozen=True)
 class RunOptions:
     processor: str = "reference"
-    """auto | reference | cpu | cuda | dist. "auto": dist under torchrun (WORLD_SIZE set), else cuda
-    when every slot is on a GPU, else cpu (see choose_processor)."""
+    """auto | reference | region | cpu | cuda | dist. "auto": dist under torchrun (WORLD_SIZE set), else
+    region when every slot is on one device, else cuda when every slot is on a GPU, else cpu
+    (see choose_processor)."""
     compile: bool = False
     """Run every fx supertask through torch.compile (inductor)."""
     compile_policy: str = "warn"
@@ -52,6 +53,9 @@ class RunOptions:
     fuse: str = "auto"
     """matmul->reduce_scatter and all_gather->matmul as fused Triton kernels: "auto" (one CUDA device,
     above the size threshold), "always", "off" (fastpipe.runtime.fuse)."""
+    merge_shards: bool = True
+    """region processor: matmuls the split cut into shards run as one GEMM again on one device
+    (fastpipe.runtime.region_passes)."""
     slot_ranks: Mapping[str, int] | None = None
     """dist processor: slot -> rank (default: contiguous blocks of slots)."""
     dist_timeout: float | None = None
@@ -64,6 +68,7 @@ class RunOptions:
         if self.compile_policy not in ("warn", "raise"):
             raise InputError(f"compile_policy: expected warn or raise, found \"{self.compile_policy}\"")
         _flag("cuda_graph", self.cuda_graph)
+        _flag("merge_shards", self.merge_shards)
         if self.fuse not in ("auto", "off", "always"):
             raise InputError(f"fuse: expected auto, off or always, found \"{self.fuse}\"")
         if self.slot_ranks is not None and self.processor not in ("dist", "auto"):
@@ -75,11 +80,14 @@ class RunOptions:
 
 def choose_processor(requested: str, slot_devices: Mapping, environ: Mapping[str, str] | None = None) -> str:
     """The processor to run: `requested` unless "auto"; auto is "dist" in a torchrun-launched process
-    (WORLD_SIZE set), else "cuda" when every slot is on a CUDA device, else "cpu"."""
+    (WORLD_SIZE set), else "region" when every slot is on one device (the split costs nothing there:
+    one compiled graph), else "cuda" when every slot is on a CUDA device, else "cpu"."""
     if requested != "auto":
         return requested
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" in env:
         return "dist"
     devices = list(slot_devices.values())
+    if len({str(d) for d in devices}) == 1:
+        return "region"
     return "cuda" if devices and all(d.type == "cuda" for d in devices) else "cpu"

@@ -5,8 +5,9 @@ Loading validates everything first (structure, payloads, param-file headers), th
     program = lower(checked)                       # per-slot steps, waits, frees (pure data)
     program = bind(program, checked, binder)       # devices, constants, callables
     program = fuse.apply(program, decisions, ...)  # passes rewrite the Program ...
+    program = with_regions(program, device_of)     # (region processor) steps cut into one-device regions
     check_program(program, checked)                # ... before the checker proves it
-    processor = <Reference|Threaded|Cuda|Dist>Processor(program, ...)
+    processor = <Reference|Region|Threaded|Cuda|Dist>Processor(program, ...)
 
 `session.program` is that bound, checked Program: what the processor runs and what
 `fastpipe show --plan` prints.
@@ -21,7 +22,7 @@ import torch
 
 from fastpipe.format import Pipeline, read_pipeline
 from fastpipe.errors import InputError
-from fastpipe.lower import check_program, lower
+from fastpipe.lower import check_program, lower, with_regions
 from fastpipe.options import LoadOptions, RunOptions, choose_processor
 from fastpipe.runtime import fuse as fusion
 from fastpipe.runtime.bind import Binder, bind
@@ -36,7 +37,9 @@ class Session:
     """A loaded pipeline, ready to run. Not thread-safe: use one per thread, or serialise calls.
 
     `run_options` (fastpipe.options.RunOptions) choose the processor: "reference" (one step at
-    a time, the oracle), "cpu" (a thread per slot, fastpipe.runtime.cpu_processor), "cuda" (a
+    a time, the oracle), "region" (every device's steps and the comm between them as one graph,
+    compiled with compile=True, fastpipe.runtime.region_processor), "cpu" (a thread per slot,
+    fastpipe.runtime.cpu_processor), "cuda" (a
     stream per slot, CUDA-graph replay), "dist" (one process per rank under torchrun,
     fastpipe.runtime.dist_processor: run() on every rank returns the outputs on rank 0 and {}
     elsewhere) or "auto" (choose_processor); whether fx supertasks are compiled, and the fusion
@@ -67,16 +70,21 @@ class Session:
             from fastpipe.runtime.cuda_processor import check_cuda_devices
 
             check_cuda_devices(self.slot_devices)
-        self._binder = Binder(pipeline, self.options, self.store, self.slot_devices, compile=opts.compile,
-                              compile_policy=opts.compile_policy)
+        region = self.processor == "region"
+        # the region processor compiles whole regions; its steps stay eager (for locating failures)
+        self._binder = Binder(pipeline, self.options, self.store, self.slot_devices,
+                              compile=opts.compile and not region, compile_policy=opts.compile_policy)
         program = bind(lower(self.checked), self.checked, self._binder, local)
-        self.fusion = fusion.analyze(self.checked, self.slot_devices, fuse)
+        self.fusion = fusion.analyze(self.checked, self.slot_devices, fuse, region=region)
         program = fusion.apply(program, self.fusion, self.checked, self._binder)
+        if region:
+            program = with_regions(program, {s: str(d) for s, d in self.slot_devices.items()})
         check_program(program, self.checked)
         self.program = program
         self._input_devices = program.input_devices()
         self.compile_report = None
         self._processor = self._make_processor()
+        self._binder.forget_constants()
 
     def _make_processor(self):
         opts = self.run_options
@@ -92,12 +100,31 @@ class Session:
             from fastpipe.runtime.dist_processor import DistProcessor
 
             return DistProcessor(self.program, self.checked, self.rank_plan, timeout_s=opts.dist_timeout)
+        if self.processor == "region":
+            from fastpipe.runtime.region_processor import RegionProcessor
+
+            return RegionProcessor(self.program, self.checked.groups, compile=opts.compile,
+                                   compile_policy=opts.compile_policy, cuda_graph=opts.cuda_graph,
+                                   merge_shards=opts.merge_shards,
+                                   opaque_groups={d.group for d in self.fusion if d.fused})
         return ReferenceProcessor(self.program)
+
+    def _compiled(self) -> dict:
+        """What this session compiles: supertask id (or region name) -> CompiledGraph."""
+        if self.processor == "region":
+            return self._processor.compiled_graphs()
+        return self._binder.compiled
+
+    def describe(self) -> str:
+        """One line: the processor and how it runs the Program (the region processor: regions, compiled
+        or eager, replayed or not)."""
+        how = self._processor.describe() if self.processor == "region" else ""
+        return f"{self.processor} processor" + (f" ({how})" if how else "")
 
     @property
     def runner(self):
-        """The processor object running this session's Program (ReferenceProcessor, ThreadedProcessor,
-        CudaProcessor or DistProcessor; `processor` is its name)."""
+        """The processor object running this session's Program (ReferenceProcessor, RegionProcessor,
+        ThreadedProcessor, CudaProcessor or DistProcessor; `processor` is its name)."""
         return self._processor
 
     def compile(self):
@@ -112,8 +139,9 @@ class Session:
         t = time.perf_counter()
         self.compile_report = CompileReport(0, 0.0, ())      # mark as started: run() must not recurse
         self.run(warmup_inputs(self.pipeline))
-        graphs = {id(cg) for cg in self._binder.compiled.values()}
-        eager = tuple(sid for sid, cg in self._binder.compiled.items() if cg.eager)
+        compiled = self._compiled()
+        graphs = {id(cg) for cg in compiled.values()}
+        eager = tuple(sid for sid, cg in compiled.items() if cg.eager)
         self.compile_report = CompileReport(len(graphs), time.perf_counter() - t, eager)
         return self.compile_report
 
@@ -138,7 +166,7 @@ class Session:
             raise InputError(f"chunks: expected an integer >= 1, found {chunks!r}")
         # compile at the first run when there is something to compile (dist: every rank warms up together,
         # so the decision must not depend on which slots this rank holds)
-        wants = self.run_options.compile if self.processor == "dist" else bool(self._binder.compiled)
+        wants = self.run_options.compile if self.processor == "dist" else bool(self._compiled())
         if self.compile_report is None and wants:
             self.compile()
         if self.processor == "dist":   # every rank calls run; rank 0 gets the outputs (dist_processor)
@@ -157,7 +185,8 @@ class Session:
         if trace is not None:
             from fastpipe.runtime.trace import write_chrome_trace
 
-            write_chrome_trace(trace, events, tuple(self.pipeline.devices))
+            lanes = self._processor.trace_lanes() if self.processor == "region" else tuple(self.pipeline.devices)
+            write_chrome_trace(trace, events, lanes)
         if chunks == 1:
             return results[0]
         return {n: torch.cat([r[n] for r in results], dim=0) for n in self.output_names}
@@ -197,7 +226,7 @@ class Session:
 def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] | None = None, *,
          allow_outside_paths: bool = False, trust_export_archives: bool = False,
          store: WeightStore | None = None, processor: str = "reference", compile: bool = False,
-         compile_policy: str = "warn", cuda_graph: bool = True, fuse: str = "auto",
+         compile_policy: str = "warn", cuda_graph: bool = True, fuse: str = "auto", merge_shards: bool = True,
          slot_ranks: Mapping[str, int] | None = None, dist_timeout: float | None = None,
          load_options: LoadOptions | None = None, run_options: RunOptions | None = None) -> Session:
     """Load, validate and bind a pipeline (a path to pipeline.json, or a Pipeline).
@@ -212,7 +241,7 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
     """
     lo = LoadOptions(allow_outside_paths=allow_outside_paths, trust_export_archives=trust_export_archives)
     ro = RunOptions(processor=processor, compile=compile, compile_policy=compile_policy, cuda_graph=cuda_graph,
-                    fuse=fuse, slot_ranks=slot_ranks, dist_timeout=dist_timeout)
+                    fuse=fuse, merge_shards=merge_shards, slot_ranks=slot_ranks, dist_timeout=dist_timeout)
     for given, built, name in ((load_options, lo, "load_options"), (run_options, ro, "run_options")):
         if given is not None and built != type(built)():
             raise InputError(f"{name}: expected either {name} or its fields as keywords, found both")

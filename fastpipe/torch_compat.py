@@ -36,6 +36,22 @@ def unique_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def profiler_enabled() -> bool:
+    """A torch.profiler is recording (record_function costs ~6 us a call; the hot path labels only then)."""
+    return torch.autograd._profiler_enabled()
+
+
+def is_mutable_op(target) -> bool:
+    """An aten OpOverload whose schema writes an argument (in-place or out=)."""
+    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+
+
+def is_pure_op(target) -> bool:
+    """An aten OpOverload that writes nothing and draws no random numbers (safe to compute once)."""
+    return (isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in target.tags)
+
+
 try:  # private since torch 2.3; present in 2.11 - 2.13
     from torch.fx._lazy_graph_module import _LazyGraphModule as _Lazy
 except ImportError:  # pragma: no cover - fallback for a torch without it

@@ -105,7 +105,6 @@ def test_column_row_vocab_and_head(tmp_path, tp, vocab):
     if tp == 3:     # hidden sizes must divide by 3
         m = LM(vocab, d=18).eval()
         m.b0, m.b1 = Block(18, 36), Block(18, 36)
-    d = m.emb.embedding_dim
     ids = torch.randint(0, vocab, (2, 6))
     built = build(m, (ids,), tp=tp, plan=PLAN, input_names=["ids"], output_names=["logits"])
     _, out = run_built(built, tmp_path, ids, names=["ids"])

@@ -52,7 +52,6 @@ def test_build_run_equals_unsplit(checkpoints, tmp_path, family, tp, pp, past_le
     outs = run_model_level(sess, ins)
     ref = hf_reference(model, family, ins, past if past_len is not None else None)
     checked = assert_outputs_match(sess, outs, ref)
-    expected = {"gpt2": 1, "llama": 1, "bert": 2}[family] * (tp if family != "bert" else tp)
     assert checked >= len(sess.pipeline.metadata.slices_outputs) > 0
     if past_len is not None:   # every layer's keys and values come back, sharded by KV heads over the ranks
         names = {s.origin for s in sess.pipeline.metadata.slices_outputs.values()}

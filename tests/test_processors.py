@@ -132,7 +132,7 @@ def test_failure_on_one_slot_stops_every_slot(tmp_path):
 
 
 def test_processor_options_refused():
-    with pytest.raises(InputError, match=r'processor: expected one of auto, reference, cpu, cuda, dist, found "gpu"'):
+    with pytest.raises(InputError, match=r'processor: expected one of auto, reference, region, cpu, cuda, dist, found "gpu"'):
         fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="gpu")
     if not torch.cuda.is_available():
         with pytest.raises(InputError, match=r'expected CUDA for processor "cuda"'):

@@ -20,7 +20,7 @@ def run_options(args, **overrides):
     from fastpipe.options import RunOptions
 
     fields = dict(processor=args.processor, compile=not args.no_compile, compile_policy=args.compile_errors,
-                  cuda_graph=not args.no_cuda_graph)
+                  cuda_graph=not args.no_cuda_graph, merge_shards=not getattr(args, "no_merge_shards", False))
     fields.update(overrides)
     return RunOptions(**fields)
 

@@ -55,15 +55,20 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
     r.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     r.add_argument("--repeat", type=int, default=5, help="timed runs (default 5)")
-    r.add_argument("--processor", choices=("auto", "reference", "cpu", "cuda", "dist"), default="auto",
-                   help="auto (default): dist under torchrun or with --nproc, else cuda when every slot is on a GPU, "
-                        "else cpu (a thread per slot)")
+    r.add_argument("--processor", choices=("auto", "reference", "region", "cpu", "cuda", "dist"), default="auto",
+                   help="auto (default): dist under torchrun or with --nproc, else region when every slot is on one "
+                        "device (one compiled graph per device), else cuda when every slot is on a GPU, else cpu "
+                        "(a thread per slot)")
     r.add_argument("--no-compile", action="store_true", help="run fx supertasks eagerly instead of torch.compile")
     r.add_argument("--compile-errors", choices=("warn", "raise"), default="warn",
                    help="a graph that cannot be compiled: warn and run it eagerly (default), or fail")
-    r.add_argument("--no-cuda-graph", action="store_true", help="cuda processor: issue on streams, no graph capture")
+    r.add_argument("--no-cuda-graph", action="store_true", help="cuda and region processors: no CUDA-graph capture")
+    r.add_argument("--no-merge-shards", action="store_true",
+                   help="region processor: keep tensor-parallel shards of a matmul as separate GEMMs")
     r.add_argument("--chunks", type=int, default=1, help="micro-batches along dim 0 (inputs carry chunks x the batch)")
-    r.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the last timed run (a lane per slot)")
+    r.add_argument("--trace", metavar="FILE",
+                   help="write a Chrome/Perfetto trace of the last timed run (a lane per slot; per region for the "
+                        "region processor)")
     # -- multi-process runs (fastpipe.cli.dist, fastpipe.runtime.dist_setup, docs/distributed.md)
     r.add_argument("--nproc", type=int, metavar="N",
                    help="run N processes on this machine through torch's elastic launcher (like torchrun)")

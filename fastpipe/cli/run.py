@@ -38,7 +38,7 @@ def cmd_run(args) -> int:
     compile_msg = ""
     if not args.no_compile:
         rep = sess.compile()
-        compile_msg = f"; compiled {rep.graphs} graphs in {rep.seconds:.1f} s" + (f" ({len(rep.eager)} eager)" if rep.eager else "")
+        compile_msg = f"; compiled {rep.graphs} graph{'s' if rep.graphs != 1 else ''} in {rep.seconds:.1f} s" + (f" ({len(rep.eager)} eager)" if rep.eager else "")
     for _ in range(args.warmup):
         sess.run(inputs, chunks=args.chunks)
     times, outs = [], None
@@ -49,7 +49,7 @@ def cmd_run(args) -> int:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     ms = sorted(x * 1e3 for x in times)
-    print(f"{p.name}: {sess.processor} processor; loaded in {load_s * 1e3:.1f} ms{compile_msg}; {args.repeat} runs: "
+    print(f"{p.name}: {sess.describe()}; loaded in {load_s * 1e3:.1f} ms{compile_msg}; {args.repeat} runs: "
           f"median {statistics.median(ms):.3f} ms, min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")
     return report_results(args, outs, expected)
 

@@ -38,6 +38,7 @@ def print_plan(p, args) -> None:
     """Load the pipeline as `fastpipe run` would (processor auto, eager) and print the bound, checked
     Program its processor runs, with the fusion pass's decisions."""
     from fastpipe.lower import format_table
+    from fastpipe.lower.regions import region_lines
     from fastpipe.options import RunOptions
     from fastpipe.session import Session
 
@@ -48,7 +49,9 @@ def print_plan(p, args) -> None:
         sys.stdout.write(table if table.endswith("\n") else table + "\n")
         for d in sess.fusion:
             print("fusion: " + d.line())
+        for line in region_lines(sess.program):
+            print(line)
         print("plan: checked: every wait is satisfied and every comm group is issued in one order by all its members "
-              f"(run by the {sess.processor} processor)")
+              f"(run by the {sess.describe()})")
     finally:
         sess.close()

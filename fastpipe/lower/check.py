@@ -2,6 +2,7 @@
 
     check_program(program)             # structure, collective order, then a simulated run
     check_program(program, checked)     # + the steps are the pipeline's, data is ready, frees are sound
+                                        # (+ fastpipe.lower.regions.check_regions when program.regions is set)
     simulate(program) -> [(slot, index), ...]   # the order in which steps complete
 
 The simulator advances every slot step by step. A compute step completes when its waits
@@ -42,6 +43,10 @@ def check_program(program: Program, checked: Checked | None = None) -> None:
     _run(program)
     if checked is not None:
         check_against(program, checked)
+    if program.regions:
+        from fastpipe.lower.regions import check_regions
+
+        check_regions(program)
 
 
 def simulate(program: Program) -> list[tuple[str, int]]:

@@ -20,8 +20,11 @@ nothing before it is made or after it is freed.
 
 Bound, a step also has its ``device``, its ``constants`` (name -> tensor for the reads that
 are constants) and, for compute steps, ``fn``: list of read tensors -> sequence of written
-tensors. A comm group's callable is ``group_fns[g]``: the reads of its member steps, in
-member order, concatenated -> their writes, concatenated.
+tensors; ``graph`` is the eager fx.GraphModule behind ``fn`` when there is one (fx supertasks),
+which the region pass stitches into one graph per device. A comm group's callable is
+``group_fns[g]``: the reads of its member steps, in member order, concatenated -> their writes,
+concatenated. ``regions`` (fastpipe.lower.regions) is set by the region pass: the steps cut into
+runs that one device executes as one graph.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class Step:
     device: Any = field(default=None, compare=False)                  # torch.device the step runs on
     constants: Mapping[str, Any] = field(default_factory=dict, compare=False)   # read name -> bound tensor
     fn: Callable | None = field(default=None, compare=False, repr=False)       # compute steps
+    graph: Any = field(default=None, compare=False, repr=False)   # the eager fx.GraphModule fn runs, if it runs one
 
     @property
     def label(self) -> str:
@@ -59,6 +63,7 @@ class Program:
     inputs: tuple[str, ...] = ()                 # pipeline input names (the caller's tensors)
     outputs: tuple[str, ...] = ()                # pipeline output names (what a run returns)
     group_fns: dict[str, Callable] = field(default_factory=dict, compare=False, repr=False)
+    regions: tuple = ()                          # fastpipe.lower.regions.Region, in run order (the region pass)
 
     def step(self, slot: str, index: int) -> Step:
         return self.steps[slot][index]

@@ -49,11 +49,16 @@ class Binder:
             self._const[key] = cpu if device.type == "cpu" else cpu.to(device)
         return self._const[key]
 
+    def forget_constants(self) -> None:
+        """Drop the load-time cache (the bound steps hold what they use; passes may have replaced some)."""
+        self._const.clear()
+
     def graph_fn(self, sid: str, g: DecodedGraph | None, device: torch.device):
+        """(fn, graph): the step's callable, and the eager fx.GraphModule it runs (None for handler kinds)."""
         st = self.p.supertasks[sid]
         if st.kind != "fx":
             text, _ = payload_text(self.p, sid, self.opts)
-            return required_handler(st.kind, sid)(sid, st, text)
+            return required_handler(st.kind, sid)(sid, st, text), None
         key = (id(g), device)
         if key not in self._gms:
             if g.external_constants:
@@ -61,7 +66,7 @@ class Binder:
             gm = g.gm if device.type == "cpu" else copy.deepcopy(g.gm).to(device)
             gm.eval()
             self._gms[key] = gm
-        gm = self._gms[key]
+        gm = eager = self._gms[key]
         if self.compile:
             from fastpipe.runtime.compile import compiled_graph
 
@@ -74,7 +79,7 @@ class Binder:
             out = gm(*xs)
             return out if isinstance(out, (tuple, list)) else (out,)
 
-        return run
+        return run, eager
 
     def _bind_external(self, sid: str, g: DecodedGraph) -> None:
         _, where = payload_text(self.p, sid, self.opts)
@@ -107,14 +112,14 @@ def bind(program: Program, checked, binder: Binder, local_slots=None) -> Program
         out, dev = [], devices[slot]
         for st in ss:
             consts = binder.constants_for(st.reads, dev)
-            fn = None
+            fn = graph = None
             if st.kind == "compute":
                 g = graphs.get(st.supertask)
                 if g is None and p.supertasks[st.supertask].kind == "fx":
                     text, where = payload_text(p, st.supertask, binder.opts)
                     g = decode_payload(text, where=where)
-                fn = binder.graph_fn(st.supertask, g, dev)
-            out.append(dataclasses.replace(st, device=dev, constants=consts, fn=fn))
+                fn, graph = binder.graph_fn(st.supertask, g, dev)
+            out.append(dataclasses.replace(st, device=dev, constants=consts, fn=fn, graph=graph))
         steps[slot] = tuple(out)
     fns = {}
     for g, members in program.groups.items():

@@ -39,12 +39,13 @@ def payload_key(text: str) -> str:
 class CompiledGraph:
     """A graph compiled with inductor; falls back to eager only by the policy, with a warning."""
 
-    def __init__(self, gm: torch.nn.Module, where: str, policy: str):
+    def __init__(self, gm: torch.nn.Module, where: str, policy: str, what: str = "supertask"):
         # the decoder builds lazy GraphModules (code generated on first use), which dynamo will not
         # trace: compile a regular GraphModule over the same validated graph and the same buffers
         gm = torch.fx.GraphModule(gm, gm.graph)
-        self.gm, self.where, self.policy = gm, where, policy
-        self.fn = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+        self.gm, self.where, self.policy, self.what = gm, where, policy, what
+        # the bound forward, not the module: skips nn.Module call machinery (hooks) on every call
+        self.fn = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=False)
         self.compiled = False
         self.eager = False
         self.compile_seconds = 0.0
@@ -67,7 +68,7 @@ class CompiledGraph:
                 if self.policy == "raise":
                     raise CompileError(f"{self.where}: torch.compile failed: {type(e).__name__}: {reason}") from e
                 warnings.warn(f"fastpipe: {self.where}: torch.compile failed ({type(e).__name__}: {reason}); "
-                              "running this supertask eagerly", RuntimeWarning, stacklevel=2)
+                              f"running this {self.what} eagerly", RuntimeWarning, stacklevel=2)
                 self.eager = True
                 out = self.gm(*xs)
             self.compile_seconds = time.perf_counter() - t

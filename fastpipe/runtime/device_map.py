@@ -48,6 +48,8 @@ def resolve_device_map(p: Pipeline, device_map: Mapping[str, str | torch.device]
                 raise InputError(f"device_map[\"{slot}\"]: expected an available device, found \"{dev}\" but CUDA is not available")
             if d.index is not None and d.index >= torch.cuda.device_count():
                 raise InputError(f"device_map[\"{slot}\"]: expected cuda:0..cuda:{torch.cuda.device_count() - 1}, found \"{dev}\"")
+            if d.index is None:                  # "cuda" is the current GPU: one spelling per device
+                d = torch.device("cuda", torch.cuda.current_device())
         elif d.type != "cpu":
             raise InputError(f"device_map[\"{slot}\"]: expected cpu or cuda[:N], found \"{dev}\"")
         out[slot] = d

@@ -18,6 +18,7 @@ import torch
 from fastpipe import comm
 from fastpipe.errors import FastpipeError, RunError, key_path
 from fastpipe.lower.program import Program, Step
+from fastpipe.torch_compat import profiler_enabled
 
 
 def group_fn(group, devices: Sequence[torch.device]) -> Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]:
@@ -62,7 +63,10 @@ def step_args(step: Step, env: dict) -> list[torch.Tensor]:
 def call(fn, args: list, n_writes: int, where: Callable[[], str], label: str) -> Sequence[torch.Tensor]:
     """fn(args), failures raised as RunError naming `where()` (formatted only on failure: this is the hot path)."""
     try:
-        with torch.profiler.record_function(label):
+        if profiler_enabled():
+            with torch.profiler.record_function(label):
+                outs = fn(args)
+        else:
             outs = fn(args)
     except FastpipeError:
         raise

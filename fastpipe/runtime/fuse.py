@@ -82,8 +82,10 @@ def _meta_shape(p, name: str) -> tuple[int, ...]:
     return tuple(p.tensors[name].shape)
 
 
-def analyze(checked, slot_devices, policy: str) -> list[Decision]:
-    """A decision for every reduce_scatter / all_gather group (checked.graphs must hold the decoded graphs)."""
+def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list[Decision]:
+    """A decision for every reduce_scatter / all_gather group (checked.graphs must hold the decoded graphs).
+    `region`: the region processor runs the Program (policy "auto" then leaves the group to the
+    compiler, which sees the matmul and the comm as one graph)."""
     p = checked.pipeline
     graphs = checked.graphs or {}
     flow = checked.flow
@@ -102,6 +104,9 @@ def analyze(checked, slot_devices, policy: str) -> list[Decision]:
         devices = {slot_devices[m.device] for m in members}
         if policy == "off":
             d.reason = "fusion is off"
+        elif policy == "auto" and region and len(devices) == 1:
+            d.reason = ("the region processor compiles the matmul and the comm as one graph on one device "
+                        "(fuse='always' forces the kernels)")
         elif policy == "auto" and (len(devices) != 1 or next(iter(devices)).type != "cuda"):
             d.reason = ("members on " + ", ".join(sorted(str(x) for x in devices)) +
                         ": the fused kernels run on one CUDA device (fuse='always' forces them)")
@@ -351,7 +356,8 @@ def apply(program, decisions: list[Decision], checked, binder):
         if prefix is not None:
             _, _, x, a_name, b_name = prefix
             writes = tuple(w for w in writes if w != x) + (a_name, b_name)
-        steps[slot][i] = dataclasses.replace(st, fn=_graph_fn(gm, binder, sid, st.device), reads=reads, writes=writes)
+        steps[slot][i] = dataclasses.replace(st, fn=_graph_fn(gm, binder, sid, st.device), graph=gm, reads=reads,
+                                             writes=writes)
     for slot, ss in steps.items():
         for i, st in enumerate(ss):
             frees = st.frees

@@ -1,0 +1,266 @@
+"""Passes over a stitched region graph (fastpipe.runtime.region_graph), run before it is compiled.
+
+    report = optimize(gm, merge=True)       # in place; report.merged, report.cse, report.extra_bytes
+
+cse            nodes that compute the same pure op on the same arguments become one. The slots of a
+               tensor-parallel split replicate work (norms, residual adds, rotary tables, the views of
+               one input); on one device a replica is pure waste. Skipped for a graph with any
+               mutating op.
+merge shards   matmuls that the split cut into shards become one GEMM again, on weights
+               concatenated once when the region is built:
+  column-parallel   mm(x, t(W_0)), mm(x, t(W_1)), ...  (one x; also addmm with a bias each)
+                    -> mm(x, t(cat(W_i, 0))), each shard's result a column slice of it
+                    (q/k/v projections, gate/up, a vocab-parallel head: one GEMM for all shards)
+  row-parallel      fold_sum(mm(a_0, t(W_0)) [+ b + r], mm(a_1, t(W_1)), ...)   (an all_reduce of partials)
+                    -> mm(cat(a_i, 1), t(cat(W_i, 1))) [+ b + r]    (also the bmm form of a linear;
+                    a bias or residual one member adds before the reduction is added once after it)
+               One device then runs the unsplit model's GEMM shapes. Results equal the split ones
+               within the dtype's rounding (one f32-accumulated GEMM instead of partial GEMMs summed
+               in f32). The concatenated weights replace their shards in the region; the caller
+               rebinds the steps' shard constants to views of them (`report.pieces`), so weight
+               memory does not grow.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fastpipe.comm import local
+from fastpipe.torch_compat import is_mutable_op, is_pure_op
+
+aten = torch.ops.aten
+VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+PURE_PY = {operator.getitem, local.fold, local.cat, local.scatter, local.all_to_all}
+
+
+@dataclass
+class PassReport:
+    cse: int = 0                       # nodes removed as duplicates
+    merged: int = 0                    # shard matmuls merged away (k shards -> 1 counts k - 1)
+    pieces: list = field(default_factory=list)   # (shard tensor, merged tensor, dim, offset)
+
+
+def optimize(gm: fx.GraphModule, *, merge: bool = True) -> PassReport:
+    rep = PassReport()
+    if any(_mutates(n) for n in gm.graph.nodes):
+        return rep
+    rep.cse += cse(gm.graph)
+    if merge:
+        _merge_columns(gm, rep)
+        _merge_rows(gm, rep)
+        rep.cse += cse(gm.graph)
+    gm.graph.eliminate_dead_code()
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in [n for n, _ in gm.named_buffers(recurse=False)] + [n for n, _ in gm.named_parameters(recurse=False)]:
+        if name not in used:
+            delattr(gm, name)
+    gm.graph.lint()
+    gm.recompile()
+    return rep
+
+
+# ------------------------------------------------------------------------------------------ cse
+def _mutates(node: fx.Node) -> bool:
+    return node.op == "call_function" and is_mutable_op(node.target)
+
+
+def _pure(node: fx.Node) -> bool:
+    if node.op == "get_attr":
+        return True
+    if node.op != "call_function":
+        return False
+    return is_pure_op(node.target) or node.target in PURE_PY
+
+
+def _freeze(v):
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, *(_freeze(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", *sorted((k, _freeze(x)) for k, x in v.items()))
+    hash(v)                             # raises TypeError for what cannot be a key
+    return v
+
+
+def cse(graph: fx.Graph) -> int:
+    """Merge nodes with the same pure target and the same arguments; returns how many went away."""
+    seen: dict = {}
+    removed = 0
+    for node in list(graph.nodes):
+        if not _pure(node):
+            continue
+        try:
+            key = (node.op, node.target, _freeze(node.args), _freeze(node.kwargs))
+        except TypeError:
+            continue
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+            removed += 1
+        else:
+            seen[key] = node
+    return removed
+
+
+# ------------------------------------------------------------------------------------------ merging
+def _call(node, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _attr(gm: fx.GraphModule, node) -> torch.Tensor | None:
+    if not (isinstance(node, fx.Node) and node.op == "get_attr"):
+        return None
+    obj = gm
+    for part in node.target.split("."):
+        obj = getattr(obj, part)
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def _linear(gm, node):
+    """node computes x @ W.T with W a constant [N, K]: (x, W node, form) with form "mm" (x [M, K])
+    or ("bmm", b) (x [b, M, K], the weight expanded to [b, K, N]); else None."""
+    if _call(node, aten.mm.default):
+        x, wt = node.args
+        if _call(wt, aten.t.default) and _weight(gm, wt.args[0]) is not None:
+            return x, wt.args[0], "mm"
+    if _call(node, aten.bmm.default):
+        x, v = node.args
+        if _call(v, *VIEWS) and _call(v.args[0], aten.expand.default):
+            e = v.args[0]
+            if _call(e.args[0], aten.t.default) and _weight(gm, e.args[0].args[0]) is not None:
+                w = _weight(gm, e.args[0].args[0])
+                size = list(e.args[1])
+                if len(size) == 3 and size[1:] == [w.shape[1], w.shape[0]] and list(v.args[1]) == size:
+                    return x, e.args[0].args[0], ("bmm", size[0])
+    return None
+
+
+def _weight(gm, node) -> torch.Tensor | None:
+    w = _attr(gm, node)
+    return w if w is not None and w.dim() == 2 else None
+
+
+def _register(gm: fx.GraphModule, t: torch.Tensor, hint: str) -> str:
+    k = 0
+    while hasattr(gm, f"{hint}_{k}"):
+        k += 1
+    gm.register_buffer(f"{hint}_{k}", t)
+    return f"{hint}_{k}"
+
+
+def _weight_node(graph, gm, w: torch.Tensor, hint: str, form) -> fx.Node:
+    """The [M, K] @ W.T operand for `form`, made from the constant W."""
+    wt = graph.call_function(aten.t.default, (graph.get_attr(_register(gm, w, hint)),))
+    if form == "mm":
+        return wt
+    size = [form[1], w.shape[1], w.shape[0]]
+    return graph.call_function(aten.view.default, (graph.call_function(aten.expand.default, (wt, size)), size))
+
+
+def _merge_columns(gm: fx.GraphModule, rep: PassReport) -> None:
+    """mm(x, t(W_i)) for several shards W_i of one x -> one mm on cat(W_i, 0); each shard's result
+    is a column slice (its view users become reshapes: a column slice is not contiguous)."""
+    graph = gm.graph
+    groups: dict = {}
+    for node in graph.nodes:
+        if _call(node, aten.mm.default):
+            lin = _linear(gm, node)
+            if lin is not None:
+                groups.setdefault((lin[0], None), []).append((node, lin[1]))
+        elif _call(node, aten.addmm.default) and not node.kwargs:
+            b, x, wt = node.args
+            bias = _attr(gm, b)
+            if (bias is not None and bias.dim() == 1 and _call(wt, aten.t.default)
+                    and _weight(gm, wt.args[0]) is not None):
+                groups.setdefault((x, "bias"), []).append((node, wt.args[0], b))
+    for (x, kind), members in groups.items():
+        if len(members) < 2:
+            continue
+        ws = [_weight(gm, m[1]) for m in members]
+        if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1:
+            continue
+        merged = torch.cat(ws, 0)
+        with graph.inserting_before(members[0][0]):
+            wt = _weight_node(graph, gm, merged, "merged_cols", "mm")
+            if kind == "bias":
+                bias = torch.cat([_attr(gm, m[2]) for m in members])
+                y = graph.call_function(aten.addmm.default, (graph.get_attr(_register(gm, bias, "merged_bias")), x, wt))
+            else:
+                y = graph.call_function(aten.mm.default, (x, wt))
+        off = 0
+        for (node, _, *rest), w in zip(members, ws):
+            with graph.inserting_after(node):
+                piece = graph.call_function(aten.slice.Tensor, (y, 1, off, off + w.shape[0]))
+            node.replace_all_uses_with(piece)
+            for user in list(piece.users):
+                if _call(user, aten.view.default, aten._unsafe_view.default):
+                    user.target = aten.reshape.default
+            rep.pieces.append((w, merged, 0, off))
+            off += w.shape[0]
+            graph.erase_node(node)
+        rep.merged += len(members) - 1
+
+
+def _chain(gm, p: fx.Node):
+    """A fold input p = add(...add(view(linear), a_1)..., a_k), each node on the way used once (the
+    adds and the view optional): (linear node, (x, W node, form), view args or None, [a_1..a_k]);
+    else None. The addends (a bias, a residual) are added once to the merged result instead."""
+    addends = []
+    while _call(p, aten.add.Tensor) and not p.kwargs and len(p.users) == 1:
+        a, b = p.args
+        if isinstance(a, fx.Node) and _leads_to_linear(gm, a):
+            p = a
+            addends.insert(0, b)
+        elif isinstance(b, fx.Node) and _leads_to_linear(gm, b):
+            p = b
+            addends.insert(0, a)
+        else:
+            return None
+    view = None
+    if _call(p, *VIEWS) and len(p.users) == 1:
+        view, p = (p.target, tuple(p.args[1])), p.args[0]
+    if not isinstance(p, fx.Node) or len(p.users) != 1:
+        return None
+    lin = _linear(gm, p)
+    return None if lin is None else (p, lin, view, addends)
+
+
+def _leads_to_linear(gm, p) -> bool:
+    while _call(p, aten.add.Tensor, *VIEWS):
+        p = p.args[0]
+    return _linear(gm, p) is not None
+
+
+def _merge_rows(gm: fx.GraphModule, rep: PassReport) -> None:
+    """fold_sum(x_i @ W_i.T, ...) over K-shards -> cat(x_i) @ cat(W_i, 1).T (+ the members' biases)."""
+    graph = gm.graph
+    for fold in list(graph.nodes):
+        if not (fold.op == "call_function" and fold.target is local.fold and fold.args[1] == "sum"):
+            continue
+        chains = [_chain(gm, p) for p in fold.args[0]]
+        if any(c is None for c in chains) or len(chains) < 2:
+            continue
+        forms = {c[1][2] for c in chains}
+        views = {c[2] for c in chains}
+        ws = [_weight(gm, c[1][1]) for c in chains]
+        if len(forms) != 1 or len(views) != 1 or len({(w.shape[0], w.dtype, w.device) for w in ws}) != 1:
+            continue
+        form, view = forms.pop(), views.pop()
+        merged = torch.cat(ws, 1)
+        with graph.inserting_before(fold):
+            x = graph.call_function(aten.cat.default, ([c[1][0] for c in chains], 1 if form == "mm" else 2))
+            w = _weight_node(graph, gm, merged, "merged_rows", form)
+            out = graph.call_function(aten.mm.default if form == "mm" else aten.bmm.default, (x, w))
+            if view is not None:
+                out = graph.call_function(view[0], (out, list(view[1])))
+            for c in chains:
+                for a in c[3]:
+                    out = graph.call_function(aten.add.Tensor, (out, a))
+        fold.replace_all_uses_with(out)
+        off = 0
+        for w in ws:
+            rep.pieces.append((w, merged, 1, off))
+            off += w.shape[1]
+        rep.merged += len(chains) - 1

@@ -1,0 +1,227 @@
+"""The region processor: every device's steps run as one graph (fastpipe.lower.regions).
+
+    RegionProcessor(program, groups, compile=True, compile_policy="warn", cuda_graph=True)
+
+The Program must carry regions (the region pass). Each one-device region is stitched into one
+fx graph (fastpipe.runtime.region_graph) - its slots' compute, and the comm between them as
+plain tensor code (fastpipe.comm.local) - and run as one call: eagerly as one generated Python
+function, or, with compile=True, through torch.compile(fullgraph=True) (fastpipe.runtime.compile:
+once per process per distinct region and constants; a failure or a graph break warns and runs
+the region eagerly, or raises, by the policy; a recompile after warm-up is warned about). A comm
+group whose members span devices is a region of its own, run by the comm reference. When every
+region is on one GPU, the whole run is captured as one CUDA graph and replayed
+(fastpipe.runtime.graph_replay).
+
+Micro-batches (chunks) run one after another: on one device there is nothing to overlap.
+A failure inside a region is located by re-running that region's steps one at a time, eagerly,
+on the same inputs; the RunError names the supertask and slot and says it was found that way.
+With a trace, each region is one event on its own lane (the lane's name gives its compile time,
+measured apart at warm-up); an eager run with a trace runs the steps one at a time so each
+supertask gets its own event.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+import weakref
+from typing import Callable, Mapping
+
+import torch
+
+from fastpipe.comm import local
+from fastpipe.errors import FastpipeError, RunError
+from fastpipe.lower.program import Program
+from fastpipe.lower.regions import Region, by_unit
+from fastpipe.runtime.execute import call, group_where, run_compute, run_group, step_args
+from fastpipe.torch_compat import profiler_enabled
+
+_COMPILED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
+
+
+def _compiled_region(gm: torch.fx.GraphModule, device: str, where: str, policy: str):
+    """One CompiledGraph per distinct region code, constants and device in this process (shared while
+    some session holds it; dropped with the last one)."""
+    from fastpipe.runtime.compile import CompiledGraph
+
+    consts = tuple(id(t) for t in (*gm.parameters(), *gm.buffers()))
+    key = (hashlib.sha256(gm.code.encode()).hexdigest(), consts, device)
+    cg = _COMPILED.get(key)
+    if cg is None:
+        cg = CompiledGraph(gm, where, policy, what="region")
+        _COMPILED[key] = cg
+    return cg
+
+
+class _RegionRun:
+    """One region and how it runs."""
+
+    def __init__(self, region: Region, fn: Callable | None, device=None, gm=None, compiled=None):
+        self.region, self.fn, self.gm, self.compiled = region, fn, gm, compiled
+        self.device = device            # the torch.device its steps are bound to (None: across devices)
+
+
+class RegionProcessor:
+    def __init__(self, program: Program, groups: Mapping, *, compile: bool = False, compile_policy: str = "warn",
+                 cuda_graph: bool = True, merge_shards: bool = True, opaque_groups=()):
+        """`groups`: the checked comm groups (kind, params); `opaque_groups`: groups whose bound
+        callable must run as is (fused kernels) instead of their one-device function."""
+        from fastpipe.runtime.region_graph import stitch
+        from fastpipe.runtime.region_passes import PassReport, optimize
+
+        if not program.regions:
+            raise ValueError("the region processor needs a Program with regions (fastpipe.lower.with_regions)")
+        self.program, self.compile = program, compile
+        self.outputs = tuple(program.outputs)
+        one_device = {r.name: r.device for r in program.regions}
+        self.group_fns: dict[str, Callable] = {}
+        for r in program.regions:
+            for unit in by_unit(program, r.steps):
+                st = program.steps[unit[0][0]][unit[0][1]]
+                if st.kind == "comm" and one_device[r.name] is not None:
+                    g = groups[st.group]
+                    self.group_fns[st.group] = (program.group_fns[st.group] if st.group in opaque_groups
+                                                else local.group_fn(g.kind, g.params, len(unit)))
+        self.runs: list[_RegionRun] = []
+        self.passes = PassReport()
+        for r in program.regions:
+            if r.device is None:
+                self.runs.append(_RegionRun(r, None))
+                continue
+            gm = stitch(program, r, self.group_fns)
+            rep = optimize(gm, merge=merge_shards)
+            self._rebind(r, rep.pieces)
+            self.passes.cse += rep.cse
+            self.passes.merged += rep.merged
+            cg = None
+            if compile:
+                cg = _compiled_region(gm, r.device, f"region \"{r.name}\" on {r.device} ({self.describe_region(r)})",
+                                      compile_policy)
+            slot, i = r.steps[0]
+            self.runs.append(_RegionRun(r, cg if cg is not None else gm, program.steps[slot][i].device, gm, cg))
+        devices = {run.device for run in self.runs}
+        self.replay = None
+        dev = next(iter(devices))
+        if cuda_graph and len(devices) == 1 and dev is not None and dev.type == "cuda":
+            from fastpipe.runtime.graph_replay import GraphReplay
+
+            self.replay = GraphReplay(self._run_env, dev, policy=compile_policy)
+
+    def _rebind(self, r: Region, pieces) -> None:
+        """Shard constants that a merged weight replaced become views of it in the region's steps
+        (their eager form, for locating failures), so the shards' own memory can go."""
+        view = {id(w): merged.narrow(dim, off, w.shape[dim]) for w, merged, dim, off in pieces}
+        for slot, i in r.steps:
+            consts = self.program.steps[slot][i].constants
+            for name, t in list(consts.items()):
+                if id(t) in view:
+                    consts[name] = view[id(t)]
+
+    # ------------------------------------------------------------------ describing
+    def describe_region(self, r: Region) -> str:
+        slots = sorted({s for s, _ in r.steps}, key=self.program.slots.index)
+        return f"{len(r.steps)} steps of slots {', '.join(slots)}"
+
+    def describe(self) -> str:
+        """One line: how many regions on which devices, compiled or eager, replayed or not."""
+        by_dev: dict[str, int] = {}
+        for r in self.program.regions:
+            key = r.device or "cross-device comm"
+            by_dev[key] = by_dev.get(key, 0) + 1
+        parts = [f"{k} region{'s' if k != 1 else ''} on {d}" for d, k in by_dev.items()]
+        one = len(self.runs) == 1
+        how = ("compiled as one graph" + ("" if one else " each")) if self.compile else "eager, one call" + ("" if one else " each")
+        if self.passes.merged:
+            how += f", {self.passes.merged} shard matmuls merged"
+        if self.replay is not None:
+            how += ", replayed as one CUDA graph"
+        return f"{', '.join(parts)}; {how}"
+
+    def compiled_graphs(self) -> dict[str, object]:
+        """Region name -> its CompiledGraph (compile=True)."""
+        return {run.region.name: run.compiled for run in self.runs if run.compiled is not None}
+
+    def trace_lanes(self) -> dict[str, str]:
+        out = {}
+        for run in self.runs:
+            r = run.region
+            what = "cross-device comm" if r.device is None else f"on {r.device}"
+            if run.compiled is not None:
+                what += (f", compiled in {run.compiled.compile_seconds:.2f} s at warm-up" if run.compiled.compiled
+                         else ", compile failed: eager")
+            out[r.name] = f"region {r.name} {what}"
+        return out
+
+    # ------------------------------------------------------------------ running
+    def run(self, inputs, *, chunks: int = 1, trace: list | None = None):
+        """`inputs`: one dict of named tensors, or (chunks > 1) a list with one per micro-batch."""
+        parts = inputs if chunks > 1 else [inputs]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            if trace is None and self.replay is not None:
+                return [self.replay(part) for part in parts]
+            return [self._run_env(dict(part), trace=trace, chunk=c, t0=t0) for c, part in enumerate(parts)]
+
+    def _run_env(self, env: dict, *, trace: list | None = None, chunk: int = 0, t0: float = 0.0) -> dict:
+        for run in self.runs:
+            r = run.region
+            start = time.perf_counter()
+            if run.fn is None:                      # a comm group across devices: the comm reference
+                slot, i = r.steps[0]
+                run_group(self.program, self.program.steps[slot][i].group, env)
+            elif trace is not None and run.compiled is None:
+                self._run_steps(r, env, trace=trace, chunk=chunk, t0=t0)
+            else:
+                self._run_graph(run, env)
+            if trace is not None and (run.fn is None or run.compiled is not None):
+                trace.append((r.name, r.label, start - t0, time.perf_counter() - t0, chunk))
+            for n in r.frees:
+                env.pop(n, None)
+        return {n: env[n] for n in self.outputs}
+
+    def _run_graph(self, run: _RegionRun, env: dict) -> None:
+        r, dev = run.region, run.device
+        # on the region's device and dense: a compiled region is specialised to its inputs' strides, and
+        # callers hand in views (run_model's slices of the original inputs)
+        args = [env[n] for n in r.reads]
+        args = [(a if a.device == dev else a.to(dev)).contiguous() for a in args]
+        try:
+            if profiler_enabled():
+                with torch.profiler.record_function(r.label):
+                    outs = run.fn(*args)
+            else:
+                outs = run.fn(*args)
+        except FastpipeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - located by re-running the region step by step
+            self._locate(run, env, e)
+        env.update(zip(r.writes, outs))
+
+    def _locate(self, run: _RegionRun, env: dict, err: Exception):
+        r = run.region
+        try:
+            self._run_steps(r, dict(env))
+        except RunError as e:
+            raise RunError(f"{e} (found by re-running region \"{r.name}\" step by step, eagerly, after it failed "
+                           "as one graph)") from err
+        msg = " ".join(str(err).split()) or type(err).__name__
+        raise RunError(f"region \"{r.name}\" on {r.device}: failed as one graph: {type(err).__name__}: {msg} "
+                       f"(its steps run one at a time, eagerly, succeed)") from err
+
+    def _run_steps(self, r: Region, env: dict, *, trace: list | None = None, chunk: int = 0, t0: float = 0.0) -> None:
+        """The region's steps one at a time, eagerly (errors name the supertask and slot)."""
+        program = self.program
+        for unit in by_unit(program, r.steps):
+            st = program.steps[unit[0][0]][unit[0][1]]
+            start = time.perf_counter()
+            if st.kind == "compute":
+                run_compute(st, env)
+                label = st.label
+            else:
+                members = [program.steps[s][i] for s, i in unit]
+                writes = [n for m in members for n in m.writes]
+                label = f"fp:group:{st.group}"
+                outs = call(self.group_fns[st.group], [a for m in members for a in step_args(m, env)], len(writes),
+                            lambda g=st.group: group_where(program, g), label)
+                env.update(zip(writes, outs))
+            if trace is not None:
+                trace.append((r.name, label, start - t0, time.perf_counter() - t0, chunk))
