@@ -85,6 +85,8 @@ class Session:
         self.compile_report = None
         self._processor = self._make_processor()
         self._binder.forget_constants()
+        for shard, view in getattr(self._processor, "rebound", ()):   # merged weights (region processor)
+            self.store.substitute(shard, view)
 
     def _make_processor(self):
         opts = self.run_options

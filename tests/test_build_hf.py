@@ -53,9 +53,47 @@ def test_build_run_equals_unsplit(checkpoints, tmp_path, family, tp, pp, past_le
     ref = hf_reference(model, family, ins, past if past_len is not None else None)
     checked = assert_outputs_match(sess, outs, ref)
     assert checked >= len(sess.pipeline.metadata.slices_outputs) > 0
+    # the region processor (every slot on the CPU: one stitched graph, shard matmuls merged) runs it too
+    region = fastpipe.load(sess.pipeline, processor="region")
+    assert_outputs_match(region, run_model_level(region, ins), ref)
+    for k, v in run_model_level(region, ins).items():
+        torch.testing.assert_close(v, outs[k], rtol=1e-5, atol=1e-5 * max(1.0, outs[k].abs().max().item()))
     if past_len is not None:   # every layer's keys and values come back, sharded by KV heads over the ranks
         names = {s.origin for s in sess.pipeline.metadata.slices_outputs.values()}
         assert {f"past_key_values_{l}_{j}" for l in range(2) for j in (0, 1)} <= names
+
+
+COMPILED = [("llama", 2, 1, P), ("gpt2", 2, 2, None), ("bert", 4, 1, None), ("llama", 4, 2, 0)]
+
+
+@pytest.mark.parametrize("family, tp, pp, past_len", COMPILED, ids=[f"{f}-tp{t}-pp{p}-past{q}" for f, t, p, q in COMPILED])
+def test_region_compiled_equals_reference_with_and_without_chunks(checkpoints, tmp_path, family, tp, pp, past_len):
+    """Prefill and decode steps, one compiled graph for all tp x pp slots, against the reference
+    processor on the same pipeline (and the unsplit model), whole and as two micro-batches."""
+    import warnings
+
+    folder, model = checkpoints[family]
+    built = build_hf(folder, tp=tp, pp=pp, batch=B, seq_len=S, past_len=past_len)
+    path = built.save(tmp_path / "out")
+    ref = fastpipe.load(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)            # compiled whole: no break, no recompile
+        sess = fastpipe.load(path, processor="auto", compile=True)
+        assert sess.processor == "region" and len(sess.program.regions) == 1
+        assert sess.compile().eager == ()
+        ins, past = originals(family, model.config, past_len, seed=7)
+        pins = {name: ins[sl.origin][tuple(slice(a, b) for a, b in sl.placements)].contiguous()
+                for name, sl in sess.pipeline.metadata.slices_inputs.items()}
+        want = ref.run(pins)
+        got = sess.run(pins)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4 * max(1.0, want[k].abs().max().item()))
+        assert_outputs_match(sess, got, hf_reference(model, family, ins, past if past_len is not None else None))
+        two = sess.run({k: torch.cat([v, v]) for k, v in pins.items()}, chunks=2)
+        for k in want:
+            b = want[k].shape[0]
+            for c in range(2):
+                torch.testing.assert_close(two[k][c * b:(c + 1) * b], got[k], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -67,7 +105,10 @@ def test_sequence_parallel(checkpoints, tmp_path, family, tp):
     assert {"reduce_scatter", "all_gather"} <= kinds and "all_reduce" in kinds   # the embedding is still all-reduced
     sess = fastpipe.load(built.save(tmp_path / "out"))
     ins, _ = originals(family, model.config, None, seed=3)
-    assert_outputs_match(sess, run_model_level(sess, ins), hf_reference(model, family, ins, None))
+    ref = hf_reference(model, family, ins, None)
+    assert_outputs_match(sess, run_model_level(sess, ins), ref)
+    region = fastpipe.load(sess.pipeline, processor="region")      # reduce_scatter / all_gather as chunks and cats
+    assert_outputs_match(region, run_model_level(region, ins), ref)
 
 
 def test_lm_head_gathered_when_vocab_divides(checkpoints):

@@ -148,7 +148,8 @@ def test_cli_plan_chunks_trace_no_compile(tmp_path, capsys):
     assert main(["run", str(GRAPHS / "tp_mlp" / "pipeline.json"), "--no-compile", "--chunks", "2", "--trace",
                  str(tmp_path / "t.json"), "--repeat", "2"]) == 0
     out = capsys.readouterr().out
-    assert "cpu processor" in out and "wrote trace" in out
+    # the README's main job: every slot on the CPU, so auto runs the region processor and says so
+    assert "tp_mlp: region processor (1 region on cpu; eager, one call" in out and "wrote trace" in out
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
 
 

@@ -52,7 +52,7 @@ def test_validate_and_run_check_on_every_cpu_processor(release, case, capsys, mo
     assert "valid" in out
     # compiled once per distinct payload for the newest release; eagerly for the rest (CI time)
     compiled = [] if release == NEWEST else ["--no-compile"]
-    for processor in ("reference", "cpu"):
+    for processor in ("reference", "cpu", "region"):
         code, out, err = cli(capsys, monkeypatch, folder, "run", "pipeline.json", "--inputs", "inputs.safetensors",
                              "--check", "expected.safetensors", "--processor", processor, "--warmup", "0",
                              "--repeat", "1", *([] if processor == "reference" else compiled))

@@ -10,6 +10,16 @@ from fastpipe.builder.assemble import Assembler
 
 N = 3
 OPS = ["sum", "avg", "max", "min"]
+PROCESSOR = ["reference"]
+
+
+@pytest.fixture(autouse=True, params=["reference", "region"])
+def processor(request):
+    """Every conformance pipeline runs on the reference processor and on the region processor (all
+    slots on the CPU: one stitched graph, the comm as plain tensor code, fastpipe.comm.local)."""
+    PROCESSOR[0] = request.param
+    yield request.param
+    PROCESSOR[0] = "reference"
 
 
 def pipeline(tmp_path, kind, in_shape, metadata, ranks_with_input=None, ranks_with_output=None):
@@ -29,7 +39,9 @@ def pipeline(tmp_path, kind, in_shape, metadata, ranks_with_input=None, ranks_wi
     # slots that only receive still need something to run: every slot runs its comm supertask
     f = tmp_path / "p.json"
     f.write_text(json.dumps(a.to_json()))
-    return fastpipe.load(f)
+    sess = fastpipe.load(f, processor=PROCESSOR[0])
+    assert sess.processor == PROCESSOR[0]
+    return sess
 
 
 def inputs(seed, shape, ranks=range(N)):
@@ -48,6 +60,8 @@ def test_all_reduce(tmp_path, op):
     want = NP_OPS[op](np.stack([x[f"x_{r}"].double().numpy() for r in range(N)]))
     for r in range(N):
         np.testing.assert_allclose(out[f"y_{r}"].numpy(), want, rtol=1e-6, atol=1e-6)
+    # every member's output is its own tensor (inside a region they are one: the caller gets copies)
+    assert len({out[f"y_{r}"].data_ptr() for r in range(N)}) == N
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -113,5 +127,5 @@ def test_send_recv(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps(a.to_json()))
     x = torch.randn(4)
-    y = fastpipe.load(f).run({"x": x})["y"]
+    y = fastpipe.load(f, processor=PROCESSOR[0]).run({"x": x})["y"]
     assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()

@@ -23,6 +23,7 @@ merge shards   matmuls that the split cut into shards become one GEMM again, on 
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -181,11 +182,16 @@ def _merge_columns(gm: fx.GraphModule, rep: PassReport) -> None:
         ws = [_weight(gm, m[1]) for m in members]
         if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1:
             continue
-        merged = torch.cat(ws, 0)
+        merged = concat_weights(ws, 0)
         with graph.inserting_before(members[0][0]):
             wt = _weight_node(graph, gm, merged, "merged_cols", "mm")
             if kind == "bias":
-                bias = torch.cat([_attr(gm, m[2]) for m in members])
+                biases = [_attr(gm, m[2]) for m in members]
+                bias = concat_weights(biases, 0)
+                boff = 0
+                for b in biases:
+                    rep.pieces.append((b, bias, 0, boff))
+                    boff += b.shape[0]
                 y = graph.call_function(aten.addmm.default, (graph.get_attr(_register(gm, bias, "merged_bias")), x, wt))
             else:
                 y = graph.call_function(aten.mm.default, (x, wt))
@@ -248,7 +254,7 @@ def _merge_rows(gm: fx.GraphModule, rep: PassReport) -> None:
         if len(forms) != 1 or len(views) != 1 or len({(w.shape[0], w.dtype, w.device) for w in ws}) != 1:
             continue
         form, view = forms.pop(), views.pop()
-        merged = torch.cat(ws, 1)
+        merged = concat_weights(ws, 1)
         with graph.inserting_before(fold):
             x = graph.call_function(aten.cat.default, ([c[1][0] for c in chains], 1 if form == "mm" else 2))
             w = _weight_node(graph, gm, merged, "merged_rows", form)
@@ -264,3 +270,26 @@ def _merge_rows(gm: fx.GraphModule, rep: PassReport) -> None:
             rep.pieces.append((w, merged, 1, off))
             off += w.shape[1]
         rep.merged += len(chains) - 1
+
+
+_CONCATS: dict = {}      # (shard ids, dim) -> (weakref to the merged tensor, weakrefs to the shards)
+
+
+def concat_weights(ws: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """cat(ws, dim), made once per process for the same shard tensors: sessions that share their
+    shards (buckets of one model, through one WeightStore) share the merged weight too."""
+    entry = _CONCATS.get((tuple(id(w) for w in ws), dim))
+    if entry is not None:
+        merged, shards = entry[0](), [r() for r in entry[1]]
+        if merged is not None and all(a is b for a, b in zip(shards, ws)):
+            return merged
+    merged = torch.cat(ws, dim)
+    remember_concat(ws, dim, merged)
+    return merged
+
+
+def remember_concat(ws: list[torch.Tensor], dim: int, merged: torch.Tensor) -> None:
+    """Record that cat(ws, dim) is `merged` (also for views of it that stand in for the shards)."""
+    for k in [k for k, (m, _) in _CONCATS.items() if m() is None]:
+        del _CONCATS[k]
+    _CONCATS[(tuple(id(w) for w in ws), dim)] = (weakref.ref(merged), tuple(weakref.ref(w) for w in ws))

@@ -39,12 +39,12 @@ _COMPILED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDicti
 
 
 def _compiled_region(gm: torch.fx.GraphModule, device: str, where: str, policy: str):
-    """One CompiledGraph per distinct region code, constants and device in this process (shared while
-    some session holds it; dropped with the last one)."""
+    """One CompiledGraph per distinct region code, constants, device and compile policy in this process
+    (shared while some session holds it; dropped with the last one)."""
     from fastpipe.runtime.compile import CompiledGraph
 
     consts = tuple(id(t) for t in (*gm.parameters(), *gm.buffers()))
-    key = (hashlib.sha256(gm.code.encode()).hexdigest(), consts, device)
+    key = (hashlib.sha256(gm.code.encode()).hexdigest(), consts, device, policy)
     cg = _COMPILED.get(key)
     if cg is None:
         cg = CompiledGraph(gm, where, policy, what="region")
@@ -83,6 +83,7 @@ class RegionProcessor:
                                                 else local.group_fn(g.kind, g.params, len(unit)))
         self.runs: list[_RegionRun] = []
         self.passes = PassReport()
+        self.rebound: list = []         # (shard tensor, the view of a merged weight that replaces it)
         for r in program.regions:
             if r.device is None:
                 self.runs.append(_RegionRun(r, None))
@@ -108,8 +109,19 @@ class RegionProcessor:
 
     def _rebind(self, r: Region, pieces) -> None:
         """Shard constants that a merged weight replaced become views of it in the region's steps
-        (their eager form, for locating failures), so the shards' own memory can go."""
-        view = {id(w): merged.narrow(dim, off, w.shape[dim]) for w, merged, dim, off in pieces}
+        (their eager form, for locating failures), so the shards' own memory can go; `rebound` lists
+        (shard, view) for the session to hand to its WeightStore, so that later sessions loading
+        the same shards get the views, and with them the same merged weight."""
+        from fastpipe.runtime.region_passes import remember_concat
+
+        view, groups = {}, {}
+        for w, merged, dim, off in pieces:
+            if id(w) not in view:
+                view[id(w)] = merged.narrow(dim, off, w.shape[dim])
+                self.rebound.append((w, view[id(w)]))
+            groups.setdefault((id(merged), dim), (merged, dim, []))[2].append(view[id(w)])
+        for merged, dim, views in groups.values():
+            remember_concat(views, dim, merged)
         for slot, i in r.steps:
             consts = self.program.steps[slot][i].constants
             for name, t in list(consts.items()):
@@ -162,6 +174,7 @@ class RegionProcessor:
             return [self._run_env(dict(part), trace=trace, chunk=c, t0=t0) for c, part in enumerate(parts)]
 
     def _run_env(self, env: dict, *, trace: list | None = None, chunk: int = 0, t0: float = 0.0) -> dict:
+        given = [t for t in env.values() if isinstance(t, torch.Tensor)]
         for run in self.runs:
             r = run.region
             start = time.perf_counter()
@@ -176,7 +189,21 @@ class RegionProcessor:
                 trace.append((r.name, r.label, start - t0, time.perf_counter() - t0, chunk))
             for n in r.frees:
                 env.pop(n, None)
-        return {n: env[n] for n in self.outputs}
+        return self._fresh(env, given)
+
+    def _fresh(self, env: dict, given: list) -> dict:
+        """The outputs, none of them the caller's input or another output: inside a region an
+        all_reduce's members share one tensor and a broadcast is its input, but what the caller gets
+        is theirs to keep and write (as from the reference processor)."""
+        seen = {t.data_ptr() for t in given if t.numel()}
+        out = {}
+        for n in self.outputs:
+            t = env[n]
+            if t.numel() and t.data_ptr() in seen:
+                t = t.clone()
+            seen.add(t.data_ptr())
+            out[n] = t
+        return out
 
     def _run_graph(self, run: _RegionRun, env: dict) -> None:
         r, dev = run.region, run.device

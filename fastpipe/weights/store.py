@@ -127,6 +127,13 @@ class WeightStore:
             self._counts["bytes_read"] += t.numel() * t.element_size()
         return t
 
+    def substitute(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Hand out `new` (equal values: a view of a merged weight) wherever `old` would be handed out."""
+        with self._lock:
+            for key, t in list(self._slices.items()):
+                if t is old:
+                    self._slices[key] = new
+
     def stats(self) -> dict:
         """``open_files`` (cached handles), ``live_slices`` (slices someone still holds),
         ``file_opens``, ``slice_hits``, ``slice_misses``, ``bytes_read`` (sum of the
