@@ -81,6 +81,8 @@ def _freeze(v):
         return (type(v).__name__, *(_freeze(x) for x in v))
     if isinstance(v, dict):
         return ("dict", *sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, (bool, int, float, complex)):   # 1 == 1.0 == True and 0.0 == -0.0 as keys, but not as
+        return (type(v).__name__, repr(v))           # arguments: add(x, 1) keeps an int x int, add(x, 1.0) does not
     hash(v)                             # raises TypeError for what cannot be a key
     return v
 
@@ -182,6 +184,7 @@ def _merge_columns(gm: fx.GraphModule, rep: PassReport) -> None:
         ws = [_weight(gm, m[1]) for m in members]
         if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1:
             continue
+        x = members[0][0].args[0 if kind is None else 1]   # x may be an earlier group's shard result: now its slice
         merged = concat_weights(ws, 0)
         with graph.inserting_before(members[0][0]):
             wt = _weight_node(graph, gm, merged, "merged_cols", "mm")
