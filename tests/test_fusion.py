@@ -48,8 +48,16 @@ def test_show_plan_reports_fusion(capsys):
 
     assert main(["show", "--plan", str(GRAPHS / "seq_parallel" / "pipeline.json")]) == 0
     out = capsys.readouterr().out
-    assert 'fusion: group "rs0" (matmul->reduce_scatter, supertasks 5, 6): not fused: members on cpu' in out
+    # every slot on the CPU: auto runs the region processor, which leaves the pair to the compiler
+    assert ('fusion: group "rs0" (matmul->reduce_scatter, supertasks 5, 6): not fused: the region processor compiles '
+            "the matmul and the comm as one graph on one device (fuse='always' forces the kernels)") in out
     assert 'fusion: group "ag0" (all_gather->matmul' in out
+    from fastpipe.runtime import fuse
+
+    sess = fastpipe.load(GRAPHS / "seq_parallel" / "pipeline.json", processor="cpu")
+    assert [d.reason for d in sess.fusion if d.group == "rs0"] == [
+        "members on cpu: the fused kernels run on one CUDA device (fuse='always' forces them)"]
+    del fuse
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

@@ -76,7 +76,8 @@ def test_show_plan_prints_the_program_that_runs(capsys):
     out = capsys.readouterr().out
     sess = fastpipe.load(path, processor="auto")
     assert format_table(sess.program, pipeline=sess.pipeline) in out
-    assert f"(run by the {sess.processor} processor)" in out
+    assert f"(run by the {sess.describe()})" in out
+    assert "region r0 on cpu: 10 steps of slots 0, 1; takes x_0, x_1; hands on y" in out
 
 
 # ---------------------------------------------------------------------------------- options
@@ -85,7 +86,8 @@ def test_options_are_frozen_and_validated():
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.processor = "cuda"
     for kwargs, message in [
-        ({"processor": "gpu"}, 'processor: expected one of auto, reference, cpu, cuda, dist, found "gpu"'),
+        ({"processor": "gpu"}, 'processor: expected one of auto, reference, region, cpu, cuda, dist, found "gpu"'),
+        ({"merge_shards": "no"}, "merge_shards: expected true or false, found 'no'"),
         ({"compile": "yes"}, "compile: expected true or false, found 'yes'"),
         ({"compile_policy": "ignore"}, 'compile_policy: expected warn or raise, found "ignore"'),
         ({"cuda_graph": 1}, "cuda_graph: expected true or false, found 1"),
@@ -102,13 +104,14 @@ def test_options_are_frozen_and_validated():
 
 def test_auto_is_chosen_by_the_library():
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
-    assert choose_processor("auto", {"0": cpu, "1": cpu}, {}) == "cpu"
-    assert choose_processor("auto", {"0": gpu, "1": gpu}, {}) == "cuda"
+    assert choose_processor("auto", {"0": cpu, "1": cpu}, {}) == "region"       # one device: one graph
+    assert choose_processor("auto", {"0": gpu, "1": gpu}, {}) == "region"
+    assert choose_processor("auto", {"0": gpu, "1": torch.device("cuda", 1)}, {}) == "cuda"
     assert choose_processor("auto", {"0": gpu, "1": cpu}, {}) == "cpu"
     assert choose_processor("auto", {"0": cpu}, {"WORLD_SIZE": "2"}) == "dist"
     assert choose_processor("reference", {"0": gpu}, {"WORLD_SIZE": "2"}) == "reference"
     sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="auto")
-    assert sess.processor == "cpu" and sess.run_options.processor == "auto"
+    assert sess.processor == "region" and sess.run_options.processor == "auto"
 
 
 def test_load_takes_the_option_dataclasses():

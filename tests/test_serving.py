@@ -90,6 +90,24 @@ def test_buckets_share_weights_and_pad(buckets):
             three.run_model(input_ids=torch.zeros(5, 6, dtype=torch.int64))
 
 
+def test_region_buckets_share_merged_weights(buckets):
+    """Buckets on the region processor: each is one stitched graph with its shard matmuls merged; the
+    merged weights are made once and shared by every bucket, so weight memory stays that of one."""
+    paths, model = buckets
+    from fastpipe.weights import WeightStore
+
+    with ModelSet(paths[:3], store=WeightStore(), processor="region") as three, \
+            ModelSet(paths[:1], store=WeightStore(), processor="region") as one:
+        assert all(b.session.runner.passes.merged > 0 for b in three.buckets)
+        merged = [{t.data_ptr() for n, t in b.session.runner.runs[0].gm.named_buffers() if n.startswith("merged")}
+                  for b in three.buckets]
+        assert merged[0] and merged[0] == merged[1] == merged[2]
+        assert three.weight_bytes() <= 1.1 * one.weight_bytes()
+        ids = torch.randint(0, 100, (3, 6), generator=torch.Generator().manual_seed(5))
+        torch.testing.assert_close(three.run_model(input_ids=ids)["logits"],
+                                   hf_reference(model, "llama", {"input_ids": ids}, None)["logits"], rtol=1e-4, atol=1e-5)
+
+
 def test_threads_mixed_requests_equal_single_threaded(buckets):
     paths, model = buckets
     requests = []

@@ -23,17 +23,9 @@ slot -> step index of the offending steps, for ``format_table(program, mark=err.
 """
 from __future__ import annotations
 
-from fastpipe.errors import ValidationError
-from fastpipe.lower.program import Program, Step
+from fastpipe.lower.program import Program, ProgramError, Step
+from fastpipe.lower.regions import check_regions
 from fastpipe.validate import Checked
-
-
-class ProgramError(ValidationError):
-    """A Program that would hang or is malformed. ``marks``: slot -> index of the offending step."""
-
-    def __init__(self, message: str, marks: dict[str, int] | None = None):
-        super().__init__(message)
-        self.marks: dict[str, int] = dict(marks or {})
 
 
 def check_program(program: Program, checked: Checked | None = None) -> None:
@@ -44,8 +36,6 @@ def check_program(program: Program, checked: Checked | None = None) -> None:
     if checked is not None:
         check_against(program, checked)
     if program.regions:
-        from fastpipe.lower.regions import check_regions
-
         check_regions(program)
 
 

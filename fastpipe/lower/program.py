@@ -31,6 +31,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from fastpipe.errors import ValidationError
+
+
+class ProgramError(ValidationError):
+    """A Program that would hang or is malformed. ``marks``: slot -> index of the offending step."""
+
+    def __init__(self, message: str, marks: dict[str, int] | None = None):
+        super().__init__(message)
+        self.marks: dict[str, int] = dict(marks or {})
+
 
 @dataclass(frozen=True)
 class Step:

@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
-from fastpipe.lower.program import Program
+from fastpipe.lower.program import Program, ProgramError
 
 
 @dataclass(frozen=True)
@@ -148,8 +148,6 @@ def by_unit(program: Program, members) -> list[list[tuple[str, int]]]:
 def check_regions(program: Program) -> None:
     """Raise ProgramError unless `program.regions` runs every step once, in an order every slot,
     wait and group allows, on the devices the steps are bound to, reading only what is there."""
-    from fastpipe.lower.check import ProgramError
-
     steps = program.steps
     seen: dict[tuple[str, int], str] = {}
     next_on = {s: 0 for s in program.slots}

@@ -192,13 +192,13 @@ class RegionProcessor:
         return self._fresh(env, given)
 
     def _fresh(self, env: dict, given: list) -> dict:
-        """The outputs, none of them the caller's input or another output: inside a region an
+        """The outputs, dense, none of them the caller's input or another output: inside a region an
         all_reduce's members share one tensor and a broadcast is its input, but what the caller gets
         is theirs to keep and write (as from the reference processor)."""
         seen = {t.data_ptr() for t in given if t.numel()}
         out = {}
         for n in self.outputs:
-            t = env[n]
+            t = env[n].contiguous()                # a merged GEMM's column slice is not (the reference's are)
             if t.numel() and t.data_ptr() in seen:
                 t = t.clone()
             seen.add(t.data_ptr())
