@@ -1,5 +1,10 @@
 """Every example in graphs/: the unsplit module (eager, torch.compile) vs fastpipe (reference runtime,
-cpu processor eager and compiled), in one run. `--benchmark-disable` turns it into a correctness pass."""
+cpu processor eager and compiled; region processor eager, compiled, and compiled with the shard matmuls
+kept), in one run. Compiled variants compile before they are timed; the compile seconds go to the
+row's extra_info as `compile_s`, apart from the run time. `--benchmark-disable` turns it into a
+correctness pass."""
+import time
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -9,6 +14,7 @@ from fastpipe.format import read_pipeline
 from tests.examples import EXAMPLES, GRAPHS, unsplit_module
 
 VARIANTS = ["unsplit eager", "unsplit compiled", "fastpipe reference", "fastpipe cpu eager", "fastpipe cpu compiled",
+            "fastpipe region eager", "fastpipe region compiled", "fastpipe region compiled, shards kept",
             pytest.param("fastpipe cuda streams", marks=pytest.mark.cuda),
             pytest.param("fastpipe cuda replay", marks=pytest.mark.cuda)]
 
@@ -30,11 +36,16 @@ def test_example(benchmark, record, name, variant):
     benchmark.group = f"example {name}"
     ins = load_file(str(GRAPHS / name / "inputs.safetensors"))
     expected = load_file(str(GRAPHS / name / "expected.safetensors"))
+    extra = {}
     if variant.startswith("unsplit"):
         m = unsplit_module(name)
         fn = torch.compile(m) if variant == "unsplit compiled" else m
         args = _model_inputs(name, ins)
         with torch.no_grad():
+            if variant == "unsplit compiled":      # compile (the first call) before timing
+                t = time.perf_counter()
+                fn(*args)
+                extra["compile_s"] = time.perf_counter() - t
             out = benchmark(fn, *args)
         assert torch.isfinite(out).all()
     elif variant.startswith("fastpipe cuda"):
@@ -53,11 +64,18 @@ def test_example(benchmark, record, name, variant):
         for k, v in expected.items():
             torch.testing.assert_close(out[k].cpu(), v, rtol=1e-4, atol=1e-5)
     else:
-        proc = "reference" if variant == "fastpipe reference" else "cpu"
-        sess = fastpipe.load(GRAPHS / name / "pipeline.json", processor=proc, compile=variant.endswith("compiled"))
-        if variant.endswith("compiled"):
-            sess.compile()
+        compiled = "compiled" in variant
+        if variant.startswith("fastpipe region"):    # one graph per device; "shards kept": merge_shards=False
+            kw = dict(processor="region", merge_shards=not variant.endswith("shards kept"))
+        else:
+            kw = dict(processor="reference" if variant == "fastpipe reference" else "cpu")
+        sess = fastpipe.load(GRAPHS / name / "pipeline.json", compile=compiled, **kw)
+        if compiled:
+            rep = sess.compile()
+            assert not rep.eager, f"{sess.describe()}: left eager by a failed compile: {rep.eager}"
+            extra["compile_s"] = rep.seconds
+        extra["path"] = sess.describe()
         out = benchmark(sess.run, ins)
         for k, v in expected.items():
             torch.testing.assert_close(out[k], v, rtol=1e-4, atol=1e-5)
-    record(variant=variant, size=sum(t.numel() for t in ins.values()))
+    record(variant=variant, size=sum(t.numel() for t in ins.values()), **extra)
