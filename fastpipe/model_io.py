@@ -18,6 +18,7 @@ import torch
 
 from fastpipe import dtypes
 from fastpipe.errors import InputError, RunError
+from fastpipe.runtime.inputs import dense
 
 
 def flatten_args(args: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -60,7 +61,7 @@ def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.T
             raise InputError(f"run_model: {s.origin}.shape: expected {list(o.shape)}, found {list(x.shape)}")
         if x.dtype != dtypes.to_torch(o.dtype):
             raise InputError(f"run_model: {s.origin}.dtype: expected {o.dtype}, found {dtypes.TORCH_TO_NAME.get(x.dtype, x.dtype)}")
-        out[tensor] = _slice(x, s.placements).contiguous()
+        out[tensor] = dense(_slice(x, s.placements))
     return out
 
 

@@ -83,6 +83,7 @@ class Session:
         self.program = program
         self._input_devices = program.input_devices()
         self.compile_report = None
+        self._nothing_to_compile = False
         self._processor = self._make_processor()
         self._binder.forget_constants()
         for shard, view in getattr(self._processor, "rebound", ()):   # merged weights (region processor)
@@ -168,9 +169,11 @@ class Session:
             raise InputError(f"chunks: expected an integer >= 1, found {chunks!r}")
         # compile at the first run when there is something to compile (dist: every rank warms up together,
         # so the decision must not depend on which slots this rank holds)
-        wants = self.run_options.compile if self.processor == "dist" else bool(self._compiled())
-        if self.compile_report is None and wants:
-            self.compile()
+        if self.compile_report is None and not self._nothing_to_compile:
+            if self.run_options.compile if self.processor == "dist" else bool(self._compiled()):
+                self.compile()
+            else:
+                self._nothing_to_compile = True
         if self.processor == "dist":   # every rank calls run; rank 0 gets the outputs (dist_processor)
             return self._processor.session_run(inputs, chunks=chunks, trace=trace)
         events: list | None = [] if trace is not None else None

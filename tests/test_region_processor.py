@@ -62,6 +62,31 @@ def test_compiled_region_equals_reference_with_and_without_chunks(name):
                 torch.testing.assert_close(got[k][c * b:(c + 1) * b], w[k], rtol=1e-4, atol=1e-5)
 
 
+def test_inputs_with_odd_strides_on_size_one_dims_do_not_recompile(tmp_path):
+    """A slice of a bigger tensor (run_model's slices of a KV cache) keeps the parent's stride on its
+    size-1 batch dim, which .contiguous() leaves alone; the compiled region must not see it."""
+    from fastpipe.builder.assemble import Assembler
+    from fastpipe.runtime.inputs import dense
+
+    a = Assembler("one_row")
+    a.slot("0", "cpu:0")
+    a.slot("1", "cpu:1")
+    a.input("k", (1, 4, 6), "f32")
+    a.fx("0", lambda k: k * 2, ["k"], ["h"])
+    a.send_recv("p", "0", "h", "1", "h1")
+    a.fx("1", lambda h: h.sum(-1), ["h1"], ["y"])
+    a.output(["y"])
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(a.to_json()))
+    sess = fastpipe.load(f, processor="region", compile=True)
+    sess.compile()
+    k = torch.randn(1, 8, 6)[:, :4]
+    assert k.is_contiguous() and k.stride()[0] == 48 and dense(k).stride() == (24, 6, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        torch.testing.assert_close(sess.run({"k": k})["y"], (k * 2).sum(-1))
+
+
 def test_compiled_once_per_process_per_distinct_region():
     a = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="region", compile=True)
     b = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="region", compile=True)

@@ -1,6 +1,7 @@
 """Run-time inputs: checked by name, shape, dtype and device before anything runs."""
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Mapping
 
 import torch
@@ -30,3 +31,21 @@ def check_inputs(p: Pipeline, inputs: Mapping[str, torch.Tensor], allowed_device
         if t.device.type != "cpu" and t.device not in allowed_devices.get(name, set()):
             ok = ", ".join(sorted({"cpu"} | {str(d) for d in allowed_devices.get(name, set())}))
             raise InputError(f"inputs[\"{name}\"].device: expected {ok}, found {t.device}")
+
+
+@lru_cache(maxsize=4096)
+def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(out))
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous, with the canonical strides even on its size-1 dims (`.contiguous()` keeps
+    whatever stride a size-1 dim had, e.g. from slicing a bigger tensor, and a graph compiled with
+    dynamic=False guards on every stride: a different one would recompile it)."""
+    t = t.contiguous()
+    want = _dense_strides(tuple(t.shape))
+    return t if t.stride() == want else t.as_strided(t.shape, want)

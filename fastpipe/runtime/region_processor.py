@@ -33,6 +33,7 @@ from fastpipe.errors import FastpipeError, RunError
 from fastpipe.lower.program import Program
 from fastpipe.lower.regions import Region, by_unit
 from fastpipe.runtime.execute import call, group_where, run_compute, run_group, step_args
+from fastpipe.runtime.inputs import dense
 from fastpipe.torch_compat import profiler_enabled
 
 _COMPILED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
@@ -207,10 +208,10 @@ class RegionProcessor:
 
     def _run_graph(self, run: _RegionRun, env: dict) -> None:
         r, dev = run.region, run.device
-        # on the region's device and dense: a compiled region is specialised to its inputs' strides, and
-        # callers hand in views (run_model's slices of the original inputs)
+        # on the region's device and dense, canonical strides on size-1 dims too: a compiled region is
+        # specialised to its inputs' strides, and callers hand in views (run_model's slices)
         args = [env[n] for n in r.reads]
-        args = [(a if a.device == dev else a.to(dev)).contiguous() for a in args]
+        args = [dense(a if a.device == dev else a.to(dev)) for a in args]
         try:
             if profiler_enabled():
                 with torch.profiler.record_function(r.label):
