@@ -131,7 +131,9 @@ class Session:
         return self._processor
 
     def compile(self):
-        """Compile every fx supertask now: one warm-up run on seeded inputs, timed apart from runs.
+        """Compile every fx supertask (region processor: every region) now: one warm-up run on seeded
+        inputs, timed apart from runs. The region processor then keeps, per CPU region, the faster of
+        the compiled graph and the stitched graph run eagerly (RegionProcessor.tune; describe() says).
 
         Returns a CompileReport (distinct graphs, seconds, supertasks left eager by a failed compile).
         """
@@ -141,7 +143,10 @@ class Session:
 
         t = time.perf_counter()
         self.compile_report = CompileReport(0, 0.0, ())      # mark as started: run() must not recurse
-        self.run(warmup_inputs(self.pipeline))
+        warm = warmup_inputs(self.pipeline)
+        self.run(warm)
+        if self.processor == "region" and self.run_options.compile:   # compiled or eager, whichever is faster
+            self._processor.tune(warm)
         compiled = self._compiled()
         graphs = {id(cg) for cg in compiled.values()}
         eager = tuple(sid for sid, cg in compiled.items() if cg.eager)

@@ -53,12 +53,27 @@ def _compiled_region(gm: torch.fx.GraphModule, device: str, where: str, policy: 
     return cg
 
 
+def _per_call(fn, budget_s: float = 0.01) -> float:
+    """Seconds per call of fn: the best of 3 batches, each about budget_s / 3 long."""
+    t = time.perf_counter()
+    fn()
+    n = max(1, int(budget_s / 3 / max(time.perf_counter() - t, 1e-7)))
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n)
+    return best
+
+
 class _RegionRun:
     """One region and how it runs."""
 
     def __init__(self, region: Region, fn: Callable | None, device=None, gm=None, compiled=None):
         self.region, self.fn, self.gm, self.compiled = region, fn, gm, compiled
         self.device = device            # the torch.device its steps are bound to (None: across devices)
+        self.timing: tuple[float, float] | None = None   # (compiled, eager) s per call, measured by tune()
 
 
 class RegionProcessor:
@@ -143,11 +158,40 @@ class RegionProcessor:
         parts = [f"{k} region{'s' if k != 1 else ''} on {d}" for d, k in by_dev.items()]
         one = len(self.runs) == 1
         how = ("compiled as one graph" + ("" if one else " each")) if self.compile else "eager, one call" + ("" if one else " each")
+        for run in self.runs:
+            if run.timing is not None and run.fn is run.gm:
+                c, e = run.timing
+                how += (f", but {'' if one else run.region.name + ' '}run eagerly (faster at warm-up: "
+                        f"{e * 1e3:.3f} vs {c * 1e3:.3f} ms a call)")
         if self.passes.merged:
             how += f", {self.passes.merged} shard matmuls merged"
         if self.replay is not None:
             how += ", replayed as one CUDA graph"
         return f"{', '.join(parts)}; {how}"
+
+    def tune(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        """After the warm-up compile: time each compiled CPU region against its stitched graph run
+        eagerly, on these inputs, and keep the faster. For a region of a few small ops the compiled
+        call's fixed cost (guards, wrappers: tens of microseconds) can exceed what it saves; the
+        choice and both times are in describe(). CUDA regions keep the compiled graph (replay hides
+        the per-call cost)."""
+        env = dict(inputs)
+        with torch.inference_mode():
+            for run in self.runs:
+                r = run.region
+                if run.fn is None:
+                    slot, i = r.steps[0]
+                    run_group(self.program, self.program.steps[slot][i].group, env)
+                else:
+                    args = [dense(env[n] if env[n].device == run.device else env[n].to(run.device)) for n in r.reads]
+                    cg = run.compiled
+                    if cg is not None and cg.compiled and run.device.type == "cpu":
+                        t_compiled, t_eager = _per_call(lambda: cg(*args)), _per_call(lambda: run.gm(*args))
+                        run.fn = run.gm if t_eager < t_compiled else cg
+                        run.timing = (t_compiled, t_eager)
+                    env.update(zip(r.writes, run.fn(*args)))
+                for n in r.frees:
+                    env.pop(n, None)
 
     def compiled_graphs(self) -> dict[str, object]:
         """Region name -> its CompiledGraph (compile=True)."""
@@ -161,6 +205,8 @@ class RegionProcessor:
             if run.compiled is not None:
                 what += (f", compiled in {run.compiled.compile_seconds:.2f} s at warm-up" if run.compiled.compiled
                          else ", compile failed: eager")
+                if run.compiled.compiled and run.fn is run.gm:
+                    what += ", run eagerly (faster)"
             out[r.name] = f"region {r.name} {what}"
         return out
 
