@@ -66,6 +66,55 @@ def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.T
 
 
 def assemble_outputs(p, outputs: Mapping[str, torch.Tensor], *, check_replicas: bool = False) -> dict[str, torch.Tensor]:
+    """Each original output from its slices. Which slice fills which part is worked out once per
+    pipeline (the placements are static); a run only copies. check_replicas: slices that overlap an
+    earlier one (replicas) must agree with it (slower: compares them)."""
+    if check_replicas:
+        return _assemble_checked(p, outputs)
+    res: dict[str, torch.Tensor] = {}
+    for origin, (shape, dtype, copies, missing) in _assembly_plan(p).items():
+        if missing:
+            raise RunError(f"run_model: {origin}: expected the output's slices to cover it, found {missing} elements missing")
+        out = torch.empty(shape, dtype=dtype)         # always a copy: the caller's to keep
+        for tensor, placements in copies:
+            (out if placements is None else _slice(out, placements)).copy_(outputs[tensor].detach())
+        res[origin] = out
+    return res
+
+
+_plans: dict[int, tuple] = {}      # id(pipeline) -> (weakref to it, plan); dropped when it is collected
+
+
+def _assembly_plan(p) -> dict:
+    """origin -> (shape, dtype, [(slice tensor, placements or None for the whole)], elements missing),
+    in the original outputs' order: the first slice to reach any element fills it, as in
+    _assemble_checked."""
+    import weakref
+
+    key = id(p)
+    entry = _plans.get(key)
+    if entry is not None and entry[0]() is p:
+        return entry[1]
+    plan: dict = {}
+    covered: dict[str, torch.Tensor] = {}
+    for tensor, s in p.metadata.slices_outputs.items():
+        o = p.metadata.tensors_outputs[s.origin]
+        if s.origin not in plan:
+            plan[s.origin] = (tuple(o.shape), dtypes.to_torch(o.dtype), [], 0)
+            covered[s.origin] = torch.zeros(o.shape, dtype=torch.bool)
+        seen = _slice(covered[s.origin], s.placements)
+        if seen.any():
+            continue
+        seen.fill_(True)
+        whole = all(a == 0 and b == n for (a, b), n in zip(s.placements, o.shape))
+        plan[s.origin][2].append((tensor, None if whole else s.placements))
+    plan = {k: (shape, dt, copies, int((~covered[k]).sum())) for k, (shape, dt, copies, _) in plan.items()}
+    plan = dict(sorted(plan.items(), key=lambda kv: p.metadata.tensors_outputs[kv[0]].idx))
+    _plans[key] = (weakref.ref(p, lambda _ref: _plans.pop(key, None)), plan)
+    return plan
+
+
+def _assemble_checked(p, outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     res: dict[str, torch.Tensor] = {}
     covered: dict[str, torch.Tensor] = {}
     for tensor, s in p.metadata.slices_outputs.items():
@@ -76,7 +125,7 @@ def assemble_outputs(p, outputs: Mapping[str, torch.Tensor], *, check_replicas: 
             covered[s.origin] = torch.zeros(o.shape, dtype=torch.bool)
         region, seen = _slice(res[s.origin], s.placements), _slice(covered[s.origin], s.placements)
         if seen.any():
-            if check_replicas and not torch.equal(region[seen], part[seen]):
+            if not torch.equal(region[seen], part[seen]):
                 diff = (region[seen].double() - part[seen].double()).abs().max().item()
                 raise RunError(f"run_model: {s.origin}: replicated slice \"{tensor}\" disagrees with another slot's copy (max abs diff {diff:.3g})")
             continue

@@ -13,7 +13,7 @@ import torch
 
 import fastpipe
 from fastpipe.errors import InputError, RunError
-from fastpipe.model_io import assemble_outputs, flatten_args, nest
+from fastpipe.model_io import assemble_outputs, flatten_args, nest, to_pipeline_inputs
 from tests.hf_models import hf_reference, make_checkpoint
 
 from fastpipe.builder.hf.build import build_hf  # noqa: E402
@@ -55,6 +55,28 @@ def test_run_model_equals_hf_with_nested_cache(llama, tmp_path):
     assert list(out)[0] == "logits"
     for k, want in ref.items():
         torch.testing.assert_close(out[k], want, rtol=1e-4, atol=1e-5)
+    fast = sess.run_model(input_ids=ids, past_key_values=past)       # the planned copy, no replica checks
+    assert list(fast) == list(out) and all(torch.equal(fast[k], out[k]) for k in out)
+    outs = sess.run(to_pipeline_inputs(sess.pipeline, flatten_args({"input_ids": ids, "past_key_values": past})))
+    assert all(assemble_outputs(sess.pipeline, outs)[k].data_ptr() != v.data_ptr() for k, v in outs.items()
+               if k in out)                                           # copies, never the pipeline's tensors
+
+
+def test_run_model_says_what_no_slice_covers(llama, tmp_path):
+    import dataclasses
+
+    folder, _ = llama
+    sess = fastpipe.load(build_hf(folder, tp=2, batch=1, seq_len=3).save(tmp_path / "o"))
+    outs = sess.run({"input_ids": torch.zeros(1, 3, dtype=torch.int64)})
+    md = sess.pipeline.metadata
+    name, sl = next((n, s) for n, s in md.slices_outputs.items() if s.origin == "logits")
+    half = dataclasses.replace(sl, placements=((0, 1), (0, 3), (0, 50)))
+    only = dataclasses.replace(md, slices_outputs={name: half})
+    p = dataclasses.replace(sess.pipeline, metadata=only)
+    for check in (False, True):
+        with pytest.raises(RunError, match=r"run_model: logits: expected the output's slices to cover it, found 150 "
+                                           r"elements missing"):
+            assemble_outputs(p, {name: outs[name][..., :50]}, check_replicas=check)
 
 
 def test_replicated_slices_must_agree_in_debug_mode(llama, tmp_path):
