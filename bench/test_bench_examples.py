@@ -1,6 +1,8 @@
 """Every example in graphs/: the unsplit module (eager, torch.compile) vs fastpipe (reference runtime,
 cpu processor eager and compiled; region processor eager, compiled, and compiled with the shard matmuls
-kept), in one run. Compiled variants compile before they are timed; the compile seconds go to the
+kept; on a GPU, marked `cuda`: the cuda processor on streams and replayed, the region processor with and
+without CUDA-graph replay, the unsplit module compiled on the GPU), in one run. Compiled variants compile
+before they are timed; the compile seconds go to the
 row's extra_info as `compile_s`, apart from the run time. `--benchmark-disable` turns it into a
 correctness pass."""
 import time
@@ -16,7 +18,10 @@ from tests.examples import EXAMPLES, GRAPHS, unsplit_module
 VARIANTS = ["unsplit eager", "unsplit compiled", "fastpipe reference", "fastpipe cpu eager", "fastpipe cpu compiled",
             "fastpipe region eager", "fastpipe region compiled", "fastpipe region compiled, shards kept",
             pytest.param("fastpipe cuda streams", marks=pytest.mark.cuda),
-            pytest.param("fastpipe cuda replay", marks=pytest.mark.cuda)]
+            pytest.param("fastpipe cuda replay", marks=pytest.mark.cuda),
+            pytest.param("fastpipe cuda region", marks=pytest.mark.cuda),
+            pytest.param("fastpipe cuda region replay", marks=pytest.mark.cuda),
+            pytest.param("unsplit cuda compiled", marks=pytest.mark.cuda)]
 
 
 def _model_inputs(name, pipeline_inputs):
@@ -39,20 +44,31 @@ def test_example(benchmark, record, name, variant):
     extra = {}
     if variant.startswith("unsplit"):
         m = unsplit_module(name)
-        fn = torch.compile(m) if variant == "unsplit compiled" else m
         args = _model_inputs(name, ins)
+        if variant == "unsplit cuda compiled":
+            m, args = m.cuda(), [a.cuda() for a in args]
+        fn = torch.compile(m) if variant.endswith("compiled") else m
+
+        def call(*xs):
+            out = fn(*xs)
+            if variant.startswith("unsplit cuda"):
+                torch.cuda.synchronize()
+            return out
+
         with torch.no_grad():
-            if variant == "unsplit compiled":      # compile (the first call) before timing
+            if variant.endswith("compiled"):      # compile (the first call) before timing
                 t = time.perf_counter()
-                fn(*args)
+                call(*args)
                 extra["compile_s"] = time.perf_counter() - t
-            out = benchmark(fn, *args)
+            out = benchmark(call, *args)
         assert torch.isfinite(out).all()
     elif variant.startswith("fastpipe cuda"):
         dm = {s: "cuda:0" for s in read_pipeline(GRAPHS / name / "pipeline.json").devices}
-        sess = fastpipe.load(GRAPHS / name / "pipeline.json", device_map=dm, processor="cuda", compile=True,
+        sess = fastpipe.load(GRAPHS / name / "pipeline.json", device_map=dm, compile=True,
+                             processor="region" if "region" in variant else "cuda",
                              cuda_graph=variant.endswith("replay"))
-        sess.compile()
+        extra["compile_s"] = sess.compile().seconds
+        extra["path"] = sess.describe()
         gins = {k: v.cuda() for k, v in ins.items()}
 
         def step():
