@@ -86,8 +86,7 @@ class Session:
         self._nothing_to_compile = False
         self._processor = self._make_processor()
         self._binder.forget_constants()
-        for shard, view in getattr(self._processor, "rebound", ()):   # merged weights (region processor)
-            self.store.substitute(shard, view)
+        self.store.substitute(getattr(self._processor, "rebound", ()))   # merged weights (region processor)
 
     def _make_processor(self):
         opts = self.run_options

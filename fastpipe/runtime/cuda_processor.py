@@ -8,24 +8,25 @@ One host thread issues every slot's steps, in an order the checker proved deadlo
     of one process, peer copies), and every member stream waits for its completion event;
   * no host synchronisation inside a run; tensors used on another stream than the one that
     made them are `record_stream`-ed so the caching allocator does not reuse them early.
-Pipeline inputs are copied into static buffers. With cuda_graph=True the first call runs
-eagerly (warm-up: compiles, allocator settles), the second captures the whole run into one
-CUDA graph (side streams forked from and joined back to the capture stream), later calls
-replay it. A capture failure follows the compile policy: "warn" continues eagerly with a
+With cuda_graph=True the whole run is captured and replayed by fastpipe.runtime.graph_replay
+(as the region processor's is): the first call runs eagerly (warm-up: compiles, allocator
+settles), the second captures the whole run into one CUDA graph (side streams forked from
+and joined back to the capture stream), later calls copy the inputs into its static buffers
+and replay it. A capture failure follows the compile policy: "warn" continues eagerly with a
 warning naming the reason; "raise" raises CompileError. Outputs are cloned out of the
 graph's static buffers unless `alias_outputs=True`.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Mapping
 
 import torch
 
-from fastpipe.errors import CompileError, InputError
+from fastpipe.errors import InputError
 from fastpipe.lower.check import simulate
 from fastpipe.lower.program import Program
 from fastpipe.runtime.execute import call, group_where, step_args, step_where
+from fastpipe.runtime.graph_replay import GraphReplay
 
 
 def check_cuda_devices(slot_devices) -> None:
@@ -48,17 +49,18 @@ class CudaProcessor:
         self.streams = {slot: torch.cuda.Stream(device=dev) for slot, dev in slot_devices.items()}
         self.input_devices = program.input_devices()
         devices = set(slot_devices.values())
-        self.use_graph = cuda_graph and len(devices) == 1
+        use_graph = cuda_graph and len(devices) == 1
         if cuda_graph and len(devices) > 1:
             warnings.warn("fastpipe: CUDA-graph capture is per device; slots span "
                           f"{len(devices)} GPUs, so this run is issued eagerly on streams", RuntimeWarning, stacklevel=3)
-        self.alias_outputs = alias_outputs
-        self.policy = compile_policy
-        self.calls = 0
-        self.graph = None
-        self.static_in: dict[str, torch.Tensor] = {}
-        self.static_out: dict[str, torch.Tensor] = {}
         self.device = next(iter(devices))
+        self.replay = (GraphReplay(self._issue_all, self.device, policy=compile_policy, alias_outputs=alias_outputs)
+                       if use_graph else None)
+
+    @property
+    def graph(self):
+        """The captured CUDA graph (None before the capture, or without one)."""
+        return None if self.replay is None else self.replay.graph
 
     # ------------------------------------------------------------------ issue one run onto the streams
     def _issue(self, env: dict) -> None:
@@ -109,26 +111,11 @@ class CudaProcessor:
     def run(self, inputs, *, chunks: int = 1, trace: list | None = None):
         if chunks > 1:   # micro-batches issued back to back: the streams overlap them without host syncs
             return [self.run(part)[0] for part in inputs]
-        self.calls += 1
-        if self.graph is not None:
-            self._fill_static(inputs)
-            self.graph.replay()
-            return [self._outputs(self.static_out)]
-        if self.use_graph and self.calls == 2:
-            try:
-                return [self._capture(inputs)]
-            except CompileError:
-                raise
-            except Exception as e:  # noqa: BLE001 - reported with its reason, per policy
-                reason = " ".join(str(e).split())[:300]
-                if self.policy == "raise":
-                    raise CompileError(f"CUDA-graph capture failed: {type(e).__name__}: {reason}") from e
-                warnings.warn(f"fastpipe: CUDA-graph capture failed ({type(e).__name__}: {reason}); "
-                              "running on streams without a graph", RuntimeWarning, stacklevel=3)
-                self.use_graph = False
-        return [self._eager(inputs)]
+        return [self.replay(inputs) if self.replay is not None else self._issue_all(dict(inputs))]
 
-    def _eager(self, inputs: Mapping[str, torch.Tensor]) -> dict:
+    def _issue_all(self, inputs: dict) -> dict:
+        """One whole run: inputs onto their devices, every slot stream forked from the current stream
+        (under capture: the capture stream), the steps issued, the streams joined back."""
         cur = torch.cuda.current_stream(self.device)
         env = {n: t.to(self._input_device(n), non_blocking=True) for n, t in inputs.items()}
         for st in self.streams.values():
@@ -141,27 +128,3 @@ class CudaProcessor:
     def _input_device(self, name: str) -> torch.device:
         devs = self.input_devices.get(name) or {self.device}
         return next(iter(devs))
-
-    def _fill_static(self, inputs) -> None:
-        for n, t in inputs.items():
-            self.static_in[n].copy_(t, non_blocking=True)
-
-    def _capture(self, inputs) -> dict:
-        self.static_in = {n: t.to(self._input_device(n)).clone() for n, t in inputs.items()}
-        torch.cuda.synchronize(self.device)
-        g = torch.cuda.CUDAGraph()
-        capture = torch.cuda.Stream(device=self.device)
-        with torch.cuda.graph(g, stream=capture):
-            for st in self.streams.values():      # fork the slot streams from the capture stream
-                st.wait_stream(capture)
-            env = dict(self.static_in)
-            self._issue(env)
-            for st in self.streams.values():      # and join them back
-                capture.wait_stream(st)
-            self.static_out = {n: env[n] for n in self.program.outputs}
-        self.graph = g
-        g.replay()
-        return self._outputs(self.static_out)
-
-    def _outputs(self, out: dict) -> dict:
-        return dict(out) if self.alias_outputs else {n: t.clone() for n, t in out.items()}

@@ -38,7 +38,8 @@ def _ident(name: str, used: set[str]) -> str:
     return out
 
 
-def _attr(gm: torch.nn.Module, target: str):
+def attr_of(gm: torch.nn.Module, target: str):
+    """What a get_attr node's dotted `target` names on `gm`."""
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -125,6 +126,6 @@ def _inline(b: _Builder, gm: fx.GraphModule, args: list[fx.Node], sid: str) -> l
     val_map.update(zip(phs, args))
     for n in gm.graph.nodes:
         if n.op == "get_attr":
-            val_map[n] = b.constant(_attr(gm, n.target), f"{sid}_{n.target}")
+            val_map[n] = b.constant(attr_of(gm, n.target), f"{sid}_{n.target}")
     out = b.graph.graph_copy(gm.graph, val_map)
     return list(out) if isinstance(out, (tuple, list)) else [out]

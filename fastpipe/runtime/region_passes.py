@@ -1,6 +1,6 @@
 """Passes over a stitched region graph (fastpipe.runtime.region_graph), run before it is compiled.
 
-    report = optimize(gm, merge=True)       # in place; report.merged, report.cse, report.extra_bytes
+    report = optimize(gm, merge=True)       # in place; report.cse, report.merged, report.pieces
 
 cse            nodes that compute the same pure op on the same arguments become one. The slots of a
                tensor-parallel split replicate work (norms, residual adds, rotary tables, the views of
@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from fastpipe.comm import local
+from fastpipe.runtime.region_graph import attr_of
 from fastpipe.torch_compat import is_mutable_op, is_pure_op
 
 aten = torch.ops.aten
@@ -115,9 +116,7 @@ def _call(node, *targets) -> bool:
 def _attr(gm: fx.GraphModule, node) -> torch.Tensor | None:
     if not (isinstance(node, fx.Node) and node.op == "get_attr"):
         return None
-    obj = gm
-    for part in node.target.split("."):
-        obj = getattr(obj, part)
+    obj = attr_of(gm, node.target)
     return obj if isinstance(obj, torch.Tensor) else None
 
 

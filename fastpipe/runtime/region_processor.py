@@ -32,9 +32,8 @@ from fastpipe.comm import local
 from fastpipe.errors import FastpipeError, RunError
 from fastpipe.lower.program import Program
 from fastpipe.lower.regions import Region, by_unit
-from fastpipe.runtime.execute import call, group_where, run_compute, run_group, step_args
+from fastpipe.runtime.execute import call, group_where, labelled, run_compute, run_group, step_args
 from fastpipe.runtime.inputs import dense
-from fastpipe.torch_compat import profiler_enabled
 
 _COMPILED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
 
@@ -88,12 +87,11 @@ class RegionProcessor:
             raise ValueError("the region processor needs a Program with regions (fastpipe.lower.with_regions)")
         self.program, self.compile = program, compile
         self.outputs = tuple(program.outputs)
-        one_device = {r.name: r.device for r in program.regions}
         self.group_fns: dict[str, Callable] = {}
         for r in program.regions:
             for unit in by_unit(program, r.steps):
                 st = program.steps[unit[0][0]][unit[0][1]]
-                if st.kind == "comm" and one_device[r.name] is not None:
+                if st.kind == "comm" and r.device is not None:
                     g = groups[st.group]
                     self.group_fns[st.group] = (program.group_fns[st.group] if st.group in opaque_groups
                                                 else local.group_fn(g.kind, g.params, len(unit)))
@@ -180,10 +178,9 @@ class RegionProcessor:
             for run in self.runs:
                 r = run.region
                 if run.fn is None:
-                    slot, i = r.steps[0]
-                    run_group(self.program, self.program.steps[slot][i].group, env)
+                    self._run_crossing(r, env)
                 else:
-                    args = [dense(env[n] if env[n].device == run.device else env[n].to(run.device)) for n in r.reads]
+                    args = self._args(run, env)
                     cg = run.compiled
                     if cg is not None and cg.compiled and run.device.type == "cpu":
                         t_compiled, t_eager = _per_call(lambda: cg(*args)), _per_call(lambda: run.gm(*args))
@@ -225,9 +222,8 @@ class RegionProcessor:
         for run in self.runs:
             r = run.region
             start = time.perf_counter()
-            if run.fn is None:                      # a comm group across devices: the comm reference
-                slot, i = r.steps[0]
-                run_group(self.program, self.program.steps[slot][i].group, env)
+            if run.fn is None:
+                self._run_crossing(r, env)
             elif trace is not None and run.compiled is None:
                 self._run_steps(r, env, trace=trace, chunk=chunk, t0=t0)
             else:
@@ -252,18 +248,23 @@ class RegionProcessor:
             out[n] = t
         return out
 
+    def _run_crossing(self, r: Region, env: dict) -> None:
+        """A region of one comm group whose members span devices: the comm reference."""
+        slot, i = r.steps[0]
+        run_group(self.program, self.program.steps[slot][i].group, env)
+
+    @staticmethod
+    def _args(run: _RegionRun, env: dict) -> list:
+        """The region's reads on its device and dense, canonical strides on size-1 dims too: a compiled
+        region is specialised to its inputs' strides, and callers hand in views (run_model's slices)."""
+        dev = run.device
+        return [dense(a if a.device == dev else a.to(dev)) for a in (env[n] for n in run.region.reads)]
+
     def _run_graph(self, run: _RegionRun, env: dict) -> None:
-        r, dev = run.region, run.device
-        # on the region's device and dense, canonical strides on size-1 dims too: a compiled region is
-        # specialised to its inputs' strides, and callers hand in views (run_model's slices)
-        args = [env[n] for n in r.reads]
-        args = [dense(a if a.device == dev else a.to(dev)) for a in args]
+        r = run.region
+        args = self._args(run, env)
         try:
-            if profiler_enabled():
-                with torch.profiler.record_function(r.label):
-                    outs = run.fn(*args)
-            else:
-                outs = run.fn(*args)
+            outs = labelled(r.label, run.fn, *args)
         except FastpipeError:
             raise
         except Exception as e:  # noqa: BLE001 - located by re-running the region step by step

@@ -127,12 +127,17 @@ class WeightStore:
             self._counts["bytes_read"] += t.numel() * t.element_size()
         return t
 
-    def substitute(self, old: torch.Tensor, new: torch.Tensor) -> None:
-        """Hand out `new` (equal values: a view of a merged weight) wherever `old` would be handed out."""
+    def substitute(self, pairs) -> None:
+        """For each (old, new) in `pairs`: hand out `new` (equal values: a view of a merged weight)
+        wherever `old` would be handed out. One pass over the slice index."""
+        new_for = {id(old): (old, new) for old, new in pairs}
+        if not new_for:
+            return
         with self._lock:
             for key, t in list(self._slices.items()):
-                if t is old:
-                    self._slices[key] = new
+                hit = new_for.get(id(t))
+                if hit is not None and hit[0] is t:
+                    self._slices[key] = hit[1]
 
     def stats(self) -> dict:
         """``open_files`` (cached handles), ``live_slices`` (slices someone still holds),
