@@ -185,11 +185,9 @@ class Session:
             check_inputs(self.pipeline, inputs, self._input_devices)
             parts = [inputs]
         else:
-            from fastpipe.runtime.microbatch import split_chunks
+            from fastpipe.runtime.microbatch import check_chunked_inputs, split_chunks
 
-            check_inputs(self.pipeline, {k: v[: self.pipeline.tensors[k].shape[0]] if isinstance(v, torch.Tensor) and v.dim() else v
-                                         for k, v in inputs.items()}, self._input_devices)
-            parts = split_chunks(inputs, chunks, {n: self.pipeline.tensors[n].shape[0] for n in self.input_names})
+            parts = split_chunks(inputs, chunks, check_chunked_inputs(self.pipeline, inputs, chunks, self._input_devices))
         results = self._run_parts(parts, chunks, events)
         if trace is not None:
             from fastpipe.runtime.trace import write_chrome_trace
