@@ -1,6 +1,8 @@
 """The annotation grammar of fastpipe.builder.dimops: parse, format, errors."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -96,7 +98,7 @@ def test_parse_is_cached_and_accepts_annotation():
 def test_annotation_is_hashable_and_frozen():
     a = parse("m k+, k+ n -> m n")
     assert hash(a) == hash(parse("m  k+,k+ n->m n"))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"^cannot assign to field 'inputs'$"):
         a.inputs = ()
 
 
