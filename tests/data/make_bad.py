@@ -808,6 +808,10 @@ _meta_case("slice_placements_out_of_bounds", "slice placements outside the origi
 _meta_case("slice_shape", "slice placements that do not give the tensor's shape",
            r'metadata\.tensor_slices\.inputs\["x"\]\.placements: expected a slice of shape \[2, 4\] \(tensor "x"\), found \[1, 4\]$',
            lambda m: m["tensor_slices"]["inputs"]["x"].update(placements=[[0, 1], [0, 4]]))
+_meta_case("slice_shape_transposed", "slice placements with the tensor's element count but not its shape (transposed)",
+           r'metadata\.tensor_slices\.inputs\["x"\]\.placements: expected a slice of shape \[2, 4\] \(tensor "x"\), found \[4, 2\]$',
+           lambda m: (m["tensors"]["inputs"]["x"].update(shape=[4, 4]),      # an origin the [4, 2] slice fits in
+                      m["tensor_slices"]["inputs"]["x"].update(placements=[[0, 4], [0, 2]])))
 _meta_case("slice_undeclared_slot", "a slice on an undeclared slot",
            r'metadata\.tensor_slices\.inputs\["x"\]\.device: expected a declared slot \(0, 1\), found "9"$',
            lambda m: m["tensor_slices"]["inputs"]["x"].update(device="9"))
@@ -1083,6 +1087,9 @@ _param_case("param_placements_out_of_bounds", "placements outside the stored ten
             _w0(placements=[[6, 10], [0, 4]]))
 _param_case("param_placements_rank", "placements of the wrong rank for the stored tensor",
             W0 + r'\.placements: expected 2 .*found 1.*$', _w0(placements=[[0, 4]]))
+_param_case("param_placements_shape", "placements whose slice has the declared element count but not its shape ([8, 2] for [4, 4])",
+            W0 + r'\.placements: expected a slice of shape \[4, 4\] \(the declared shape\), found \[\[0, 8\], \[0, 2\]\] of shape '
+            r'\[8, 2\] \(tensor \'w\' in \'weights\.safetensors\'\)$', _w0(placements=[[0, 8], [0, 2]]))
 _param_case("param_file_id_unknown", "a param_file naming no entry of param_files",
             W0 + r'\.param_file: expected an id in param_files \(ckpt\), found "other"$',
             lambda d: (d.__setitem__("param_files", {"ckpt": {"path": "weights.safetensors", "format": "safetensors"}}),
