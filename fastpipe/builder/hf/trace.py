@@ -27,6 +27,13 @@ inputs, resp. outputs, weights not counted):
     l0k, l0v, l1k, ...). Positions are P..P+S-1: the model derives them from the
     cache length (a static shape), no position_ids input. No attention_mask:
     every token attends causally to the whole past (no padding).
+  decoders with a static cache, ``max_len=M`` (``past_len`` ignored):
+                  in  input_ids[B,S], cache_position[B] int64, past_key_values_{l}_{0|1}[B,Hkv,M,D]
+                  out logits[B,S,V], past_key_values_{l}_{0|1}[B,Hkv,M,D]   (the same names: updated caches)
+    Row b's tokens sit at positions cache_position[b] + 0..S-1: their keys/values are written
+    there (``aten.index_put``) and they attend to cache positions <= their own (an additive
+    mask built in the graph from cache_position); what lies beyond is never read, so rows may
+    be at different positions and a cache may hold stale entries past a row's position.
   bert: in input_ids, attention_mask, token_type_ids [B,S] int64 (mask 1 = keep);
         out last_hidden_state[B,S,H] and, if the model has a pooler, pooler_output[B,H].
 
@@ -85,6 +92,7 @@ class FlatSignature:
     past_len: int | None      # None: no KV cache
     inputs: tuple[FlatTensor, ...]
     outputs: tuple[FlatTensor, ...]
+    max_len: int | None = None  # a static KV cache of max_len positions (module docstring)
 
     @property
     def input_names(self) -> list[str]:
@@ -139,8 +147,10 @@ def attention_dims(family: str, config) -> tuple[int, int, int, int]:
 
 def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int | None = 0, *,
                    dtype: torch.dtype | None = None, num_kv_heads: int | None = None,
-                   pooler: bool = True) -> FlatSignature:
+                   pooler: bool = True, max_len: int | None = None) -> FlatSignature:
     """Names, shapes, dtypes and idx of the flat inputs/outputs (see module docstring).
+
+    ``max_len``: a static KV cache of that many positions (decoders; see the module docstring).
 
     ``dtype``: of the cache and the float outputs (default: config.dtype or
     float32). ``num_kv_heads`` overrides the KV head count (a rank-local
@@ -162,7 +172,22 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
         past_len = None
     elif family in ("gpt2", "llama"):
         outs.append(("logits", (batch, seq_len, config.vocab_size), dt))
-        if past_len is not None:
+        if max_len is not None:
+            if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < seq_len:
+                raise BuildError(f"max_len: expected an integer >= seq_len ({seq_len}), found {max_len!r}")
+            limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+            if limit and max_len > limit:
+                raise BuildError(f"max_len: expected at most the model's {limit} positions, found {max_len}")
+            ins.append(("cache_position", (batch,), i64))
+            layers, _, kv, head_dim = attention_dims(family, config)
+            kv = num_kv_heads or kv
+            for layer in range(layers):
+                for which in (0, 1):
+                    shape = (batch, kv, max_len, head_dim)
+                    ins.append((kv_name(layer, which), shape, dt))
+                    outs.append((kv_name(layer, which), shape, dt))
+            past_len = None
+        elif past_len is not None:
             if past_len < 0:
                 raise BuildError(f"past_len: expected None or >= 0, found {past_len}")
             layers, _, kv, head_dim = attention_dims(family, config)
@@ -178,6 +203,7 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
         family, batch, seq_len, past_len,
         tuple(FlatTensor(n, s, d, i) for i, (n, s, d) in enumerate(ins)),
         tuple(FlatTensor(n, s, d, i) for i, (n, s, d) in enumerate(outs)),
+        max_len if family != "bert" else None,
     )
 
 
@@ -213,18 +239,60 @@ def _cache_classes():
         def get_seq_length(self) -> int:
             return 0 if self.keys is None else self.keys.shape[-2]
 
-    return DynamicCache, _FlatLayer
+    class _StaticLayer(_FlatLayer):
+        """A static cache layer: full [B, Hkv, M, D] tensors; update writes the new keys/values at each
+        row's positions (``aten.index_put``, functional: the result is the updated cache)."""
+
+        def __init__(self, keys, values, positions):
+            super().__init__(keys, values)
+            self.positions = positions                       # [B, S] absolute positions of the new tokens
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            b, h, s, _ = key_states.shape                    # [B, Hkv, S, D]
+            rows = torch.arange(b, device=key_states.device).view(b, 1, 1)
+            heads = torch.arange(h, device=key_states.device).view(1, h, 1)
+            where = (rows, heads, self.positions.view(b, 1, s))   # broadcast to [B, Hkv, S]
+            self.keys = self.keys.index_put(where, key_states)
+            self.values = self.values.index_put(where, value_states)
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return 0      # positions come from cache_position, never from the cache's size
+
+    return DynamicCache, _FlatLayer, _StaticLayer
 
 
 def flat_cache(num_layers: int, past: tuple[torch.Tensor, ...] | list[torch.Tensor]):
     """A transformers DynamicCache over flat tensors [l0 keys, l0 values, l1 keys, ...] (empty if none)."""
-    DynamicCache, FlatLayer = _cache_classes()
+    DynamicCache, FlatLayer, _ = _cache_classes()
     if past and len(past) != 2 * num_layers:
         raise BuildError(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
     cache = DynamicCache()
     cache.layer_class_to_replicate = None
     cache.layers = [FlatLayer(past[2 * l], past[2 * l + 1]) if past else FlatLayer() for l in range(num_layers)]
     return cache
+
+
+def static_cache(num_layers: int, past, positions: torch.Tensor):
+    """A DynamicCache of static layers over flat tensors [l0 keys, l0 values, ...], each [B, Hkv, M, D];
+    `positions` [B, S]: where each row's new tokens go."""
+    DynamicCache, _, StaticLayer = _cache_classes()
+    if len(past) != 2 * num_layers:
+        raise BuildError(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = None
+    cache.layers = [StaticLayer(past[2 * l], past[2 * l + 1], positions) for l in range(num_layers)]
+    return cache
+
+
+def static_mask(positions: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask [B, 1, S, M] of a static cache: a token at position p sees cache
+    positions <= p (0), nothing else (the dtype's min, as transformers' eager masks)."""
+    keys = torch.arange(max_len, device=positions.device)              # [M]
+    seen = keys.view(1, 1, -1) <= positions.unsqueeze(-1)               # [B, S, M]
+    zero = torch.zeros((), dtype=dtype, device=positions.device)
+    low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=positions.device)
+    return torch.where(seen, zero, low).unsqueeze(1)                    # [B, 1, S, M]
 
 
 @dataclass(frozen=True)
@@ -240,7 +308,8 @@ class FlatForward:
 
 
 def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
-                   past_len: int | None = 0, num_kv_heads: int | None = None) -> FlatForward:
+                   past_len: int | None = 0, num_kv_heads: int | None = None,
+                   max_len: int | None = None) -> FlatForward:
     """The flat function of ``model`` for one static shape (see module docstring).
 
     ``num_kv_heads``: the KV heads the module holds when it is a rank-local
@@ -255,7 +324,7 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
     dtype = next(iter(model.parameters())).dtype
     layers = attention_dims(family, config)[0]
     sig = flat_signature(family, config, batch, seq_len, past_len, dtype=dtype, pooler=pooler,
-                         num_kv_heads=num_kv_heads)
+                         num_kv_heads=num_kv_heads, max_len=max_len)
     n_in = len(sig.inputs)
 
     def check(ps: Mapping[str, torch.Tensor], flat: tuple) -> None:
@@ -272,6 +341,19 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
                 "input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids})
             res = (out.last_hidden_state,)
             return res + (out.pooler_output,) if pooler else res
+    elif sig.max_len is not None:
+        def fn(ps, input_ids, cache_position, *past):
+            check(ps, (input_ids, cache_position, *past))
+            steps = torch.arange(input_ids.shape[1], device=input_ids.device)
+            positions = cache_position.unsqueeze(1) + steps                   # [B, S]
+            cache = static_cache(layers, past, positions)
+            out = torch.func.functional_call(model, dict(ps), (), {
+                "input_ids": input_ids, "position_ids": positions, "past_key_values": cache, "use_cache": True,
+                "attention_mask": static_mask(positions, sig.max_len, dtype)})
+            res = [out.logits]
+            for layer in cache.layers:
+                res += [layer.keys, layer.values]
+            return tuple(res)
     else:
         def fn(ps, input_ids, *past):
             check(ps, (input_ids, *past))
