@@ -12,7 +12,7 @@ logits every tensor-parallel rank gathers) must agree: `check_replicas=True` ver
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 
@@ -65,14 +65,19 @@ def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-def assemble_outputs(p, outputs: Mapping[str, torch.Tensor], *, check_replicas: bool = False) -> dict[str, torch.Tensor]:
+def assemble_outputs(p, outputs: Mapping[str, torch.Tensor], *, check_replicas: bool = False,
+                     only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
     """Each original output from its slices. Which slice fills which part is worked out once per
     pipeline (the placements are static); a run only copies. check_replicas: slices that overlap an
-    earlier one (replicas) must agree with it (slower: compares them)."""
+    earlier one (replicas) must agree with it (slower: compares them). only: these original outputs
+    (e.g. the logits of a decode step, not its caches)."""
     if check_replicas:
-        return _assemble_checked(p, outputs)
+        res = _assemble_checked(p, outputs)
+        return res if only is None else {k: v for k, v in res.items() if k in only}
     res: dict[str, torch.Tensor] = {}
     for origin, (shape, dtype, copies, missing) in _assembly_plan(p).items():
+        if only is not None and origin not in only:
+            continue
         if missing:
             raise RunError(f"run_model: {origin}: expected the output's slices to cover it, found {missing} elements missing")
         out = torch.empty(shape, dtype=dtype)         # always a copy: the caller's to keep

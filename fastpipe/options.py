@@ -2,7 +2,7 @@
 
     LoadOptions(allow_outside_paths=False, trust_export_archives=False, check_payloads=True)
     RunOptions(processor="reference", compile=False, compile_policy="warn", cuda_graph=True,
-               fuse="auto", merge_shards=True, slot_ranks=None, dist_timeout=None)
+               fuse="auto", merge_shards=True, slot_ranks=None, dist_timeout=None, state_in_place=False)
 
 Both check their fields on construction and raise InputError, one line naming the field
 (`fuse: expected auto, off or always, found "yes"`). `fastpipe.load(...)` takes the same
@@ -60,6 +60,9 @@ class RunOptions:
     """dist processor: slot -> rank (default: contiguous blocks of slots)."""
     dist_timeout: float | None = None
     """dist processor: seconds any collective may wait (default 120)."""
+    state_in_place: bool = False
+    """Outputs that are an input's updated version (a KV cache; fastpipe.runtime.state) are written into
+    the tensor given as that input, which run() returns as the output: the caller hands those inputs over."""
 
     def __post_init__(self):
         if self.processor not in PROCESSORS:
@@ -69,6 +72,10 @@ class RunOptions:
             raise InputError(f"compile_policy: expected warn or raise, found \"{self.compile_policy}\"")
         _flag("cuda_graph", self.cuda_graph)
         _flag("merge_shards", self.merge_shards)
+        _flag("state_in_place", self.state_in_place)
+        if self.state_in_place and self.processor == "dist":
+            raise InputError("state_in_place: expected a one-process processor (outputs of dist live on rank 0), "
+                             "found processor=\"dist\"")
         if self.fuse not in ("auto", "off", "always"):
             raise InputError(f"fuse: expected auto, off or always, found \"{self.fuse}\"")
         if self.slot_ranks is not None and self.processor not in ("dist", "auto"):

@@ -82,6 +82,10 @@ class Session:
         check_program(program, self.checked)
         self.program = program
         self._input_devices = program.input_devices()
+        from fastpipe.runtime.state import state_pairs
+
+        self.state = state_pairs(pipeline)       # input -> its updated output (fastpipe.runtime.state)
+        self._in_place = self.state if opts.state_in_place else {}
         self.compile_report = None
         self._nothing_to_compile = False
         self._processor = self._make_processor()
@@ -108,7 +112,7 @@ class Session:
             return RegionProcessor(self.program, self.checked.groups, compile=opts.compile,
                                    compile_policy=opts.compile_policy, cuda_graph=opts.cuda_graph,
                                    merge_shards=opts.merge_shards,
-                                   opaque_groups={d.group for d in self.fusion if d.fused})
+                                   opaque_groups={d.group for d in self.fusion if d.fused}, state=self._in_place)
         return ReferenceProcessor(self.program)
 
     def _compiled(self) -> dict:
@@ -168,9 +172,22 @@ class Session:
         micro-batches (fill-drain across stages with the cpu/cuda processors) and the outputs
         are concatenated back along dim 0.
         trace: write a Chrome/Perfetto trace (one lane per slot, fp:<slot>:<supertask> labels).
+        With state_in_place (RunOptions), each updated state output is written into the tensor given
+        as its input, and that tensor is returned as the output (`session.state` pairs them).
         """
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise InputError(f"chunks: expected an integer >= 1, found {chunks!r}")
+        if self._in_place:
+            if chunks != 1:
+                raise InputError(f"chunks: expected 1 with state_in_place (state is one batch), found {chunks}")
+            from fastpipe.runtime.state import check_state_inputs, write_back
+
+            check_inputs(self.pipeline, inputs, self._input_devices)
+            check_state_inputs(inputs, self._in_place)
+            return write_back(inputs, self._run_checked(inputs, chunks, trace), self._in_place)
+        return self._run_checked(inputs, chunks, trace)
+
+    def _run_checked(self, inputs, chunks, trace):
         # compile at the first run when there is something to compile (dist: every rank warms up together,
         # so the decision must not depend on which slots this rank holds)
         if self.compile_report is None and not self._nothing_to_compile:
@@ -235,7 +252,7 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
          store: WeightStore | None = None, processor: str = "reference", compile: bool = False,
          compile_policy: str = "warn", cuda_graph: bool = True, fuse: str = "auto", merge_shards: bool = True,
          slot_ranks: Mapping[str, int] | None = None, dist_timeout: float | None = None,
-         load_options: LoadOptions | None = None, run_options: RunOptions | None = None) -> Session:
+         state_in_place: bool = False, load_options: LoadOptions | None = None, run_options: RunOptions | None = None) -> Session:
     """Load, validate and bind a pipeline (a path to pipeline.json, or a Pipeline).
 
     The keywords are the fields of LoadOptions and RunOptions (fastpipe.options), or give the
@@ -248,7 +265,8 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
     """
     lo = LoadOptions(allow_outside_paths=allow_outside_paths, trust_export_archives=trust_export_archives)
     ro = RunOptions(processor=processor, compile=compile, compile_policy=compile_policy, cuda_graph=cuda_graph,
-                    fuse=fuse, merge_shards=merge_shards, slot_ranks=slot_ranks, dist_timeout=dist_timeout)
+                    fuse=fuse, merge_shards=merge_shards, slot_ranks=slot_ranks, dist_timeout=dist_timeout,
+                    state_in_place=state_in_place)
     for given, built, name in ((load_options, lo, "load_options"), (run_options, ro, "run_options")):
         if given is not None and built != type(built)():
             raise InputError(f"{name}: expected either {name} or its fields as keywords, found both")

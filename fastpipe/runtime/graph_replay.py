@@ -6,7 +6,12 @@
                                 # later:  copies inputs into the static buffers, replays
 
 Pipeline inputs are copied into static buffers the graph reads; outputs are cloned out of the
-graph's static buffers (the next replay overwrites them) unless `alias_outputs=True`. A capture
+graph's static buffers (the next replay overwrites them) unless `alias_outputs=True`.
+`state` (input -> its updated output, fastpipe.runtime.state): the state tensors given at capture,
+when dense on the device, become the graph's own buffers, and their outputs are those buffers,
+not clones; a caller passing the same tensors every call (an engine's KV cache) copies nothing.
+Other tensors are copied in (and the session writes the outputs back into them); the tensors of
+the capture call then serve as the graph's scratch. A capture
 failure follows the compile policy: "warn" keeps running `fn` eagerly, with a warning naming
 the reason; "raise" raises CompileError. Never silent.
 """
@@ -22,8 +27,9 @@ from fastpipe.errors import CompileError
 
 class GraphReplay:
     def __init__(self, fn: Callable[[dict], dict], device: torch.device, *, policy: str = "warn",
-                 alias_outputs: bool = False):
+                 alias_outputs: bool = False, state: Mapping[str, str] | None = None):
         self.fn, self.device, self.policy, self.alias_outputs = fn, device, policy, alias_outputs
+        self.state = dict(state or {})
         self.enabled = True
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -38,7 +44,9 @@ class GraphReplay:
         self.calls += 1
         if self.graph is not None:
             for n, t in inputs.items():
-                self.static_in[n].copy_(t, non_blocking=True)
+                buf = self.static_in[n]
+                if t is not buf:
+                    buf.copy_(t, non_blocking=True)
             self.graph.replay()
             return self._outputs()
         if self.enabled and self.calls >= 2:
@@ -57,7 +65,8 @@ class GraphReplay:
         return self.fn(dict(inputs))
 
     def _capture(self, inputs) -> dict:
-        self.static_in = {n: t.to(self.device).clone() for n, t in inputs.items()}
+        self.static_in = {n: t if n in self.state and t.device == self.device and t.is_contiguous()
+                          else t.to(self.device).clone() for n, t in inputs.items()}
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
@@ -67,5 +76,5 @@ class GraphReplay:
         return self._outputs()
 
     def _outputs(self) -> dict:
-        out = self.static_out
-        return dict(out) if self.alias_outputs else {n: t.clone() for n, t in out.items()}
+        out, state = self.static_out, set(self.state.values())
+        return dict(out) if self.alias_outputs else {n: t if n in state else t.clone() for n, t in out.items()}

@@ -77,9 +77,11 @@ class _RegionRun:
 
 class RegionProcessor:
     def __init__(self, program: Program, groups: Mapping, *, compile: bool = False, compile_policy: str = "warn",
-                 cuda_graph: bool = True, merge_shards: bool = True, opaque_groups=()):
+                 cuda_graph: bool = True, merge_shards: bool = True, opaque_groups=(),
+                 state: Mapping[str, str] | None = None):
         """`groups`: the checked comm groups (kind, params); `opaque_groups`: groups whose bound
-        callable must run as is (fused kernels) instead of their one-device function."""
+        callable must run as is (fused kernels) instead of their one-device function; `state`: input ->
+        its updated output, written into the input's tensor in the graph (fastpipe.runtime.state)."""
         from fastpipe.runtime.region_graph import stitch
         from fastpipe.runtime.region_passes import PassReport, optimize
 
@@ -98,6 +100,8 @@ class RegionProcessor:
         self.runs: list[_RegionRun] = []
         self.passes = PassReport()
         self.rebound: list = []         # (shard tensor, the view of a merged weight that replaces it)
+        self.state = dict(state or {})
+        self.in_place = 0               # state updates written by an in-place op (the rest: a copy_ at the end)
         for r in program.regions:
             if r.device is None:
                 self.runs.append(_RegionRun(r, None))
@@ -105,6 +109,7 @@ class RegionProcessor:
             gm = stitch(program, r, self.group_fns)
             rep = optimize(gm, merge=merge_shards)
             self._rebind(r, rep.pieces)
+            self.in_place += self._state_in_place(r, gm)
             self.passes.cse += rep.cse
             self.passes.merged += rep.merged
             cg = None
@@ -119,7 +124,15 @@ class RegionProcessor:
         if cuda_graph and len(devices) == 1 and dev is not None and dev.type == "cuda":
             from fastpipe.runtime.graph_replay import GraphReplay
 
-            self.replay = GraphReplay(self._run_env, dev, policy=compile_policy)
+            self.replay = GraphReplay(self._run_env, dev, policy=compile_policy, state=self.state)
+
+    def _state_in_place(self, r: Region, gm) -> int:
+        """Make the region write its state outputs into their input tensors (fastpipe.runtime.region_state)."""
+        from fastpipe.runtime.region_state import write_in_place
+
+        pairs = [(r.reads.index(i), r.writes.index(o)) for i, o in self.state.items()
+                 if i in r.reads and o in r.writes]
+        return write_in_place(gm, pairs) if pairs else 0
 
     def _rebind(self, r: Region, pieces) -> None:
         """Shard constants that a merged weight replaced become views of it in the region's steps
@@ -163,6 +176,8 @@ class RegionProcessor:
                         f"{e * 1e3:.3f} vs {c * 1e3:.3f} ms a call)")
         if self.passes.merged:
             how += f", {self.passes.merged} shard matmuls merged"
+        if self.state:
+            how += f", {len(self.state)} state tensors updated in place ({self.in_place} by an in-place write)"
         if self.replay is not None:
             how += ", replayed as one CUDA graph"
         return f"{', '.join(parts)}; {how}"
@@ -238,9 +253,13 @@ class RegionProcessor:
         """The outputs, dense, none of them the caller's input or another output: inside a region an
         all_reduce's members share one tensor and a broadcast is its input, but what the caller gets
         is theirs to keep and write (as from the reference processor)."""
+        state = set(self.state.values())
         seen = {t.data_ptr() for t in given if t.numel()}
         out = {}
         for n in self.outputs:
+            if n in state:                         # the input's own tensor, updated (run() writes it back if not)
+                out[n] = env[n]
+                continue
             t = env[n].contiguous()                # a merged GEMM's column slice is not (the reference's are)
             if t.numel() and t.data_ptr() in seen:
                 t = t.clone()

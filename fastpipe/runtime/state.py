@@ -1,0 +1,71 @@
+"""State a pipeline updates: outputs that are the new version of an input (a KV cache).
+
+    pairs = state_pairs(pipeline)     # {"past_key_values_0_0": "past_key_values_0_0_new", ...}
+
+The pairing is read from the pipeline's metadata, in the format's existing fields (no new key,
+so files stay valid for the producer's loader): an original output whose name, shape and dtype
+equal an original input's is that input's updated version (transformers' convention:
+`past_key_values` in, `past_key_values` out). Each pipeline output slice of such an origin is
+paired with the input slice of the same origin, placements and device slot, when the two
+pipeline tensors have one shape and dtype. A pipeline without such outputs has no state: its
+outputs are new tensors, and a caller keeping state copies them back.
+
+With `state_in_place=True` (fastpipe.options.RunOptions) a session writes each paired output
+into the tensor the caller gave as its input and returns that very tensor: no allocation per
+step and stable addresses (what one compiled graph and one captured CUDA graph need). The region
+processor writes it in the graph itself (fastpipe.runtime.region_state); the other processors
+compute the output and copy it into the input (`write_back`).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from fastpipe.errors import InputError
+from fastpipe.format.model import Pipeline
+
+
+def state_pairs(p: Pipeline) -> dict[str, str]:
+    """Pipeline input name -> the pipeline output that is its updated version (see the module docstring)."""
+    meta = p.metadata
+    updated = {n for n, o in meta.tensors_outputs.items()
+               if (i := meta.tensors_inputs.get(n)) is not None and (i.shape, i.dtype) == (o.shape, o.dtype)}
+    if not updated:
+        return {}
+    by_slice = {(s.origin, s.placements, s.device): n for n, s in meta.slices_inputs.items() if s.origin in updated}
+    pairs = {}
+    for out, s in meta.slices_outputs.items():
+        inp = by_slice.get((s.origin, s.placements, s.device))
+        if inp is None or inp in pairs or inp not in p.tensors or out not in p.tensors:
+            continue
+        a, b = p.tensors[inp], p.tensors[out]
+        if (a.shape, a.dtype) == (b.shape, b.dtype):
+            pairs[inp] = out
+    return pairs
+
+
+def check_state_inputs(inputs: Mapping[str, torch.Tensor], pairs: Mapping[str, str]) -> None:
+    """State inputs must be distinct memory: one tensor given for two would receive both updates."""
+    seen: dict[tuple, str] = {}
+    for name in pairs:
+        t = inputs.get(name)
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            continue
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key in seen:
+            raise InputError(f"inputs[\"{name}\"]: expected its own memory (its output is written into it in place), "
+                             f"found the memory of inputs[\"{seen[key]}\"]")
+        seen[key] = name
+
+
+def write_back(inputs: Mapping[str, torch.Tensor], outputs: dict, pairs: Mapping[str, str]) -> dict:
+    """Each paired output written into its input tensor (unless the processor already did), and that
+    input tensor returned in its place."""
+    for i, o in pairs.items():
+        t, new = inputs[i], outputs[o]
+        if new is not t:
+            if new.data_ptr() != t.data_ptr() or new.stride() != t.stride() or new.device != t.device:
+                t.copy_(new)
+            outputs[o] = t
+    return outputs
