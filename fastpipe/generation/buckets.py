@@ -1,0 +1,124 @@
+"""The loaded pipelines of a serving set (fastpipe.generation.build), told apart by their metadata.
+
+    bs = ServingBuckets("out/", processor="auto", compile=True)
+    bs.decodes[8]          # Session of the decode step for 8 rows (static cache, state in place)
+    bs.prefills[(1, 64)]   # Session of the prefill for 1 prompt of up to 64 tokens
+    bs.max_len, bs.vocab
+
+A decode pipeline is one whose model inputs are input_ids [B, 1], cache_position [B] and caches
+[B, Hkv, M, D] returned updated (M = max_len); a prefill pipeline takes input_ids [B, S] only
+and returns logits and caches [B, Hkv, S, D]. Anything else in the folder is refused by name.
+All buckets load through one WeightStore: each weight slice is read and held once.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+from fastpipe.errors import InputError
+
+KV_PREFIX = "past_key_values_"
+
+
+def _kind(p) -> str | None:
+    ins, outs = p.metadata.tensors_inputs, p.metadata.tensors_outputs
+    if "input_ids" not in ins or "logits" not in outs:
+        return None
+    kv_in = [n for n in ins if n.startswith(KV_PREFIX)]
+    kv_out = [n for n in outs if n.startswith(KV_PREFIX)]
+    if set(ins) == {"input_ids", "cache_position", *kv_in} and kv_in and set(kv_in) == set(kv_out):
+        return "decode" if ins["input_ids"].shape[1] == 1 else None
+    if set(ins) == {"input_ids"} and kv_out:
+        return "prefill"
+    return None
+
+
+def pipeline_paths(source: str | os.PathLike | Sequence) -> list[Path]:
+    if isinstance(source, (str, os.PathLike)):
+        folder = Path(source)
+        paths = sorted(folder.glob("*/pipeline.json"))
+        if not paths:
+            raise InputError(f"serving set: expected */pipeline.json under \"{folder}\", found none")
+        return paths
+    return [Path(p) for p in source]
+
+
+class ServingBuckets:
+    def __init__(self, source, *, store=None, **load_kwargs):
+        from fastpipe.session import load
+        from fastpipe.weights import WeightStore
+
+        paths = pipeline_paths(source)
+        self.folder = paths[0].parent.parent
+        self.store = store or WeightStore()
+        self.decodes: dict[int, object] = {}
+        self.prefills: dict[tuple[int, int], object] = {}
+        for path in paths:
+            from fastpipe.format import read_pipeline
+
+            p = read_pipeline(path)
+            kind = _kind(p)
+            if kind is None:
+                raise InputError(f"serving set: {path}: expected a prefill (input_ids -> logits, caches) or a "
+                                 "static-cache decode step (input_ids, cache_position, caches), found model inputs "
+                                 + ", ".join(sorted(p.metadata.tensors_inputs)))
+            ids = p.metadata.tensors_inputs["input_ids"].shape
+            if kind == "decode":
+                self.decodes[ids[0]] = load(p, store=self.store, state_in_place=True, **load_kwargs)
+            else:
+                self.prefills[(ids[0], ids[1])] = load(p, store=self.store, **load_kwargs)
+        if not self.decodes or not self.prefills:
+            raise InputError(f"serving set \"{self.folder}\": expected at least one prefill and one decode pipeline, "
+                             f"found {len(self.prefills)} prefill and {len(self.decodes)} decode")
+        lens = {self._cache_len(s) for s in self.decodes.values()}
+        vocabs = {s.pipeline.metadata.tensors_outputs["logits"].shape[-1]
+                  for s in (*self.decodes.values(), *self.prefills.values())}
+        if len(lens) != 1 or len(vocabs) != 1:
+            raise InputError(f"serving set \"{self.folder}\": expected one max_len and one vocabulary size, found "
+                             f"max_len {sorted(lens)} and vocabularies {sorted(vocabs)}")
+        self.max_len, self.vocab = lens.pop(), vocabs.pop()
+
+    @staticmethod
+    def _cache_len(session) -> int:
+        ins = session.pipeline.metadata.tensors_inputs
+        return next(o.shape[2] for n, o in ins.items() if n.startswith(KV_PREFIX))
+
+    @property
+    def longest_prompt(self) -> int:
+        return max(s for _, s in self.prefills)
+
+    def prefill_for(self, rows: int, length: int):
+        """(batch, seq, session) of the prefill bucket for `rows` prompts of up to `length` tokens: the
+        shortest seq >= length, then the smallest batch >= rows (or the largest batch: several calls)."""
+        seqs = sorted({s for _, s in self.prefills if s >= length})
+        if not seqs:
+            raise InputError(f"prompt: expected at most {self.longest_prompt} tokens (the largest prefill bucket), "
+                             f"found {length}")
+        batches = sorted(b for b, s in self.prefills if s == seqs[0])
+        b = next((b for b in batches if b >= rows), batches[-1])
+        return b, seqs[0], self.prefills[(b, seqs[0])]
+
+    def warmup(self) -> float:
+        """Compile every bucket now (one warm-up run each, on seeded inputs), off the request path;
+        returns the seconds it took."""
+        import time
+
+        t = time.perf_counter()
+        for s in self.sessions():
+            if s.compile_report is None and s._compiled():
+                s.compile()
+        return time.perf_counter() - t
+
+    def sessions(self):
+        return [*self.prefills.values(), *self.decodes.values()]
+
+    def compiled_graphs(self) -> int:
+        """Distinct compiled graphs held by the buckets' sessions."""
+        return len({id(cg) for s in self.sessions() for cg in s._compiled().values()})
+
+    def close(self) -> None:
+        for s in self.sessions():
+            s.close()
+        self.decodes.clear()
+        self.prefills.clear()

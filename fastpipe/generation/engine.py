@@ -1,0 +1,327 @@
+"""Continuous batching over a serving set: requests join and leave the decode rows between steps.
+
+    engine = Engine("out/")                                    # a folder from build_serving_set
+    req = engine.submit([5, 7, 9], max_new_tokens=64, sampling=SamplingParams(temperature=0.8, seed=1))
+    for token in req: ...                                      # streamed as each step makes it
+    engine.generate([[5, 7, 9], [4, 2]], max_new_tokens=16)     # -> [[...16 ids], [...]]
+    engine.close()                                             # finish in-flight requests (cancel=True: stop them)
+
+One worker thread owns the sessions. Between decode steps it admits waiting requests into free
+rows of the decode bucket (`batch` rows, default the largest built): newcomers are prefilled
+together in the smallest fitting prefill bucket (right-padded), their caches copied into their
+rows (KVState), and their first token sampled from the prefill's logits. Then one decode step
+runs every row at its own position (cache_position), writing the caches in place; each active
+row samples its next token (fastpipe.generation.sampling, the request's own generator) and
+streams it. A request finishes at EOS (unless ignore_eos), at max_new_tokens, or when cancelled;
+its row is free for the next waiting request at the next step.
+
+submit() checks a request before it is queued (bad input raises InputError there, and fails
+alone); a failure while running fails the requests of that step, which their callers see, and
+the engine goes on. submit() and the request methods are safe from any thread.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from fastpipe.errors import FastpipeError, InputError, RunError
+from fastpipe.generation.buckets import ServingBuckets
+from fastpipe.generation.kv_state import KVState
+from fastpipe.generation.sampling import SamplingParams, sample
+from fastpipe.model_io import assemble_outputs
+
+_DONE = object()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: its tokens arrive on a queue as they are made (iterate, or result())."""
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    eos: frozenset
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None          # "eos", "length", "cancelled" or "error"
+    error: BaseException | None = None
+    _queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _cancel: bool = False
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """All tokens, once the request is finished (raises what failed it)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id}: not finished after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return list(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        self._cancel = True
+
+    # engine side
+    def _emit(self, token: int) -> None:
+        self.tokens.append(token)
+        self._queue.put(token)
+
+    def _finish(self, reason: str, error: BaseException | None = None) -> None:
+        if self._done.is_set():
+            return
+        self.finish_reason, self.error = reason, error
+        self._done.set()
+        self._queue.put(_DONE)
+
+
+class _Row:
+    __slots__ = ("req", "position", "token", "generator")
+
+    def __init__(self, req: Request, position: int, token: int, generator):
+        self.req, self.position, self.token, self.generator = req, position, token, generator
+
+
+class Engine:
+    def __init__(self, source, *, batch: int | None = None, eos_token_id="auto", buckets: ServingBuckets | None = None,
+                 warmup: bool = True, **load_kwargs):
+        """source: a serving-set folder or a list of pipeline.json paths; load_kwargs: fastpipe.load's
+        (processor="auto" and compile=True unless given). eos_token_id: an id, a list, None, or "auto"
+        (generation_config.json / config.json in the folder). warmup: compile every bucket now
+        (`warmup_seconds`), not on the first requests."""
+        load_kwargs.setdefault("processor", "auto")
+        load_kwargs.setdefault("compile", True)
+        self.buckets = buckets if buckets is not None else ServingBuckets(source, **load_kwargs)
+        rows = sorted(self.buckets.decodes)
+        if batch is not None and batch not in rows:
+            raise InputError(f"batch: expected one of the decode buckets {rows}, found {batch}")
+        self.batch = batch if batch is not None else rows[-1]
+        self.decode = self.buckets.decodes[self.batch]
+        self.warmup_seconds = self.buckets.warmup() if warmup else 0.0
+        self.kv = KVState(self.decode)
+        self.max_len, self.vocab = self.buckets.max_len, self.buckets.vocab
+        self.eos = frozenset(_eos_ids(self.buckets.folder) if eos_token_id == "auto" else _as_ids(eos_token_id))
+        p = self.decode.pipeline
+        self._step_names = {n: s.origin for n, s in p.metadata.slices_inputs.items()
+                            if s.origin in ("input_ids", "cache_position")}
+        self._devices = {n: self.decode.slot_devices[p.metadata.slices_inputs[n].device] for n in self._step_names}
+        self.rows: list[_Row | None] = [None] * self.batch
+        self.steps = 0                         # decode steps run
+        self._waiting: list[Request] = []
+        self._ids = itertools.count()
+        self._cv = threading.Condition()
+        self._closing = self._cancel_all = False
+        self._worker = threading.Thread(target=self._loop, name="fastpipe-engine", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ callers
+    def submit(self, prompt, *, max_new_tokens: int, sampling: SamplingParams | None = None,
+               ignore_eos: bool = False) -> Request:
+        ids = _prompt_ids(prompt, self.vocab)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens: expected an integer >= 1, found {max_new_tokens!r}")
+        if len(ids) > self.buckets.longest_prompt:
+            raise InputError(f"prompt: expected at most {self.buckets.longest_prompt} tokens (the largest prefill "
+                             f"bucket), found {len(ids)}")
+        if len(ids) + max_new_tokens > self.max_len:
+            raise InputError(f"max_new_tokens: expected at most {self.max_len - len(ids)} (max_len {self.max_len} - "
+                             f"the prompt's {len(ids)} tokens), found {max_new_tokens}")
+        sampling = sampling if sampling is not None else SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise InputError(f"sampling: expected a SamplingParams, found {type(sampling).__name__}")
+        sampling.check()
+        req = Request(next(self._ids), ids, max_new_tokens, sampling, frozenset() if ignore_eos else self.eos)
+        with self._cv:
+            if self._closing:
+                raise InputError("submit: expected an open engine, found it closed")
+            self._waiting.append(req)
+            self._cv.notify()
+        return req
+
+    def generate(self, prompts: Sequence, *, max_new_tokens: int, sampling: SamplingParams | None = None,
+                 ignore_eos: bool = False) -> list[list[int]]:
+        """Every prompt's tokens (each submitted as its own request; they share the decode rows)."""
+        reqs = [self.submit(p, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=ignore_eos)
+                for p in prompts]
+        return [r.result() for r in reqs]
+
+    def cancel(self, request) -> None:
+        """Stop a request (a Request or its id) at the next step; an unknown one raises InputError."""
+        rid = request.id if isinstance(request, Request) else request
+        with self._cv:
+            live = [r for r in self._waiting] + [row.req for row in self.rows if row is not None]
+            req = next((r for r in live if r.id == rid), None)
+            if req is None:
+                raise InputError(f"cancel: expected a waiting or running request, found id {rid!r}")
+            req.cancel()
+            self._cv.notify()
+
+    def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop taking requests; finish the in-flight ones (cancel=True: end them now, reason
+        "cancelled"), then stop the worker and release the sessions."""
+        with self._cv:
+            self._closing, self._cancel_all = True, cancel
+            self._cv.notify()
+        self._worker.join(timeout)
+        self.buckets.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(cancel=exc[0] is not None)
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    # ------------------------------------------------------------------ the worker
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self.active and not self._closing:
+                    self._cv.wait()
+                if self._closing and (self._cancel_all or (not self._waiting and not self.active)):
+                    for r in self._waiting + [row.req for row in self.rows if row is not None]:
+                        r._finish("cancelled")
+                    self._waiting.clear()
+                    self.rows = [None] * self.batch
+                    return
+                newcomers = self._take_newcomers()
+            try:
+                self._admit(newcomers)
+            except Exception as e:  # noqa: BLE001 - the newcomers fail, the engine goes on
+                for r in newcomers:
+                    self._release(r, "error", _as_error(e))
+            if self.active:
+                try:
+                    self._step()
+                except Exception as e:  # noqa: BLE001 - the rows of this step fail, the engine goes on
+                    for k, row in enumerate(self.rows):
+                        if row is not None:
+                            self.rows[k] = None
+                            row.req._finish("error", _as_error(e))
+
+    def _take_newcomers(self) -> list[Request]:
+        for k, row in enumerate(self.rows):                      # cancelled rows free up first
+            if row is not None and row.req._cancel:
+                self.rows[k] = None
+                row.req._finish("cancelled")
+        for r in [r for r in self._waiting if r._cancel]:
+            self._waiting.remove(r)
+            r._finish("cancelled")
+        free = self.rows.count(None)
+        out, self._waiting = self._waiting[:free], self._waiting[free:]
+        return out
+
+    def _admit(self, reqs: list[Request]) -> None:
+        """Prefill the newcomers (grouped into prefill buckets), copy their caches into free rows, and
+        emit each one's first token."""
+        while reqs:
+            b, s, sess = self.buckets.prefill_for(len(reqs), max(len(r.prompt) for r in reqs))
+            group = [r for r in reqs if len(r.prompt) <= s][:b]
+            reqs = [r for r in reqs if r not in group]
+            ids = torch.zeros((b, s), dtype=torch.int64)                   # right-padded [b, s]
+            for i, r in enumerate(group):
+                ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
+            out = sess.run_model(input_ids=ids)              # logits [b, s, V], caches [b, Hkv, s, D]
+            last = torch.stack([out["logits"][i, len(r.prompt) - 1] for i, r in enumerate(group)])   # [n, V]
+            gens = [r.sampling.generator(last.device) for r in group]
+            first = sample(last, [r.sampling for r in group], gens).tolist()
+            for i, r in enumerate(group):
+                row = self.rows.index(None)
+                self.kv.admit(row, out, i)
+                self.rows[row] = _Row(r, len(r.prompt), first[i], gens[i])
+                self._emitted(row, first[i])
+
+    def _step(self) -> None:
+        """One decode step for every row (free rows compute on token 0 at position 0, unread)."""
+        ids = torch.zeros((self.batch, 1), dtype=torch.int64)          # [B, 1]
+        pos = torch.zeros((self.batch,), dtype=torch.int64)            # [B]
+        live = [(k, row) for k, row in enumerate(self.rows) if row is not None]
+        for k, row in live:
+            ids[k, 0], pos[k] = row.token, row.position
+        model = {"input_ids": ids, "cache_position": pos}
+        inputs = {n: model[o].to(self._devices[n]) for n, o in self._step_names.items()}
+        outs = self.decode.run({**inputs, **self.kv.tensors})
+        logits = assemble_outputs(self.decode.pipeline, outs, only=("logits",))["logits"][:, 0]   # [B, V]
+        self.steps += 1
+        rows = [k for k, _ in live]
+        toks = sample(logits[rows], [row.req.sampling for _, row in live], [row.generator for _, row in live])
+        for (k, row), tok in zip(live, toks.tolist()):
+            row.position += 1
+            row.token = tok
+            self._emitted(k, tok)
+
+    def _emitted(self, k: int, tok: int) -> None:
+        row = self.rows[k]
+        req = row.req
+        req._emit(tok)
+        reason = ("eos" if tok in req.eos else "length" if len(req.tokens) >= req.max_new_tokens
+                  else "cancelled" if req._cancel else None)
+        if reason is not None:
+            self.rows[k] = None
+            req._finish(reason)
+
+    def _release(self, r: Request, reason: str, error=None) -> None:
+        for k, row in enumerate(self.rows):
+            if row is not None and row.req is r:
+                self.rows[k] = None
+        r._finish(reason, error)
+
+
+def _prompt_ids(prompt, vocab: int) -> list[int]:
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"prompt: expected a 1-d tensor of int64 token ids, found {prompt.dim()}-d "
+                             f"{str(prompt.dtype).replace('torch.', '')}")
+        prompt = prompt.tolist()
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        raise InputError(f"prompt: expected a list of token ids, found {type(prompt).__name__}")
+    bad = next((x for x in prompt if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < vocab), None)
+    if bad is not None:
+        raise InputError(f"prompt: expected token ids in [0, {vocab}), found {bad!r}")
+    if not prompt:
+        raise InputError("prompt: expected at least one token, found none")
+    return list(prompt)
+
+
+def _as_ids(v) -> list[int]:
+    if v is None:
+        return []
+    ids = [v] if isinstance(v, int) and not isinstance(v, bool) else list(v)
+    if any(isinstance(x, bool) or not isinstance(x, int) for x in ids):
+        raise InputError(f"eos_token_id: expected an id, a list of ids, None or \"auto\", found {v!r}")
+    return ids
+
+
+def _eos_ids(folder) -> list[int]:
+    """EOS ids from generation_config.json, else config.json, in the serving set's folder (none: [])."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        f = folder / name
+        if f.is_file():
+            v = json.loads(f.read_text()).get("eos_token_id")
+            if v is not None:
+                return _as_ids(v)
+    return []
+
+
+def _as_error(e: Exception) -> BaseException:
+    return e if isinstance(e, FastpipeError) else RunError(f"generation step: {type(e).__name__}: {' '.join(str(e).split())}")
