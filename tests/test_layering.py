@@ -41,7 +41,7 @@ PKG = ROOT / "fastpipe"
 # The layers the pure-data layer must not reach.
 ABOVE_PURE_DATA = (
     "fastpipe.payload", "fastpipe.weights", "fastpipe.comm", "fastpipe.runtime", "fastpipe.lower",
-    "fastpipe.cli", "fastpipe.session", "fastpipe.serving", "fastpipe.generate", "fastpipe.builder",
+    "fastpipe.cli", "fastpipe.session", "fastpipe.serving", "fastpipe.generation", "fastpipe.builder",
     "fastpipe.build", "fastpipe.kernels",
 )
 # validate_structure and the rule modules it runs; the closure below also covers anything they import.

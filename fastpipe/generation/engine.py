@@ -115,6 +115,7 @@ class Engine:
         self.warmup_seconds = self.buckets.warmup() if warmup else 0.0
         self.kv = KVState(self.decode)
         self.max_len, self.vocab = self.buckets.max_len, self.buckets.vocab
+        self.longest_prompt = self.buckets.longest_prompt
         self.eos = frozenset(_eos_ids(self.buckets.folder) if eos_token_id == "auto" else _as_ids(eos_token_id))
         p = self.decode.pipeline
         self._step_names = {n: s.origin for n, s in p.metadata.slices_inputs.items()
@@ -132,11 +133,13 @@ class Engine:
     # ------------------------------------------------------------------ callers
     def submit(self, prompt, *, max_new_tokens: int, sampling: SamplingParams | None = None,
                ignore_eos: bool = False) -> Request:
+        if self._closing:
+            raise InputError("submit: expected an open engine, found it closed")
         ids = _prompt_ids(prompt, self.vocab)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens: expected an integer >= 1, found {max_new_tokens!r}")
-        if len(ids) > self.buckets.longest_prompt:
-            raise InputError(f"prompt: expected at most {self.buckets.longest_prompt} tokens (the largest prefill "
+        if len(ids) > self.longest_prompt:
+            raise InputError(f"prompt: expected at most {self.longest_prompt} tokens (the largest prefill "
                              f"bucket), found {len(ids)}")
         if len(ids) + max_new_tokens > self.max_len:
             raise InputError(f"max_new_tokens: expected at most {self.max_len - len(ids)} (max_len {self.max_len} - "
