@@ -1,7 +1,13 @@
-"""Serving benchmark: greedy decode tokens/s vs Hugging Face generate (same run), and the memory of
-3 loaded buckets vs the weight bytes of one.
+"""Serving benchmark, one run, printed as tables (ratios against baselines measured in the same run):
 
-    python bench/report_serving.py [--layers 4] [--hidden 256] [--tokens 32] [--tp 2]
+1. decode tokens/s at batch 1: the engine (serving set, tp=2 on one device, region processor) vs
+   transformers' generate with its static cache, eager and under torch.compile; tokens compared;
+2. continuous batching: 64 requests of random prompt lengths from 8 threads through a batch-8 engine
+   vs the same requests one at a time through a batch-1 engine; every request's tokens compared;
+3. memory: RSS after each token of one 256-token generation (flat after the first steps?);
+4. 3 exact-size buckets (ModelSet) hold the weights of one.
+
+    python bench/report_serving.py [--layers 4] [--hidden 512] [--tokens 128] [--requests 64] [--quick]
 """
 from __future__ import annotations
 
@@ -17,61 +23,109 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 
+def table(rows, header) -> None:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header, tuple("-" * w for w in widths)] + rows:
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |")
+
+
+def timed(fn, repeat: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens of the batch-1 decode rows")
     ap.add_argument("--prompt", type=int, default=16)
-    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--rss-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="a small model and few tokens (a smoke run)")
     args = ap.parse_args()
-    import transformers
+    if args.quick:
+        args.layers, args.hidden, args.vocab, args.tokens, args.requests, args.rss_tokens, args.repeat = 2, 64, 100, 16, 16, 32, 1
 
+    from bench.generation_cases import (hf_generate, load_requests, make_model, make_set, one_at_a_time,
+                                        rss_per_token, serve)
     from bench.machine import machine_info
     from fastpipe.builder.hf.build import build_hf
-    from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
-    from fastpipe.generate import build_generation_set, greedy_generate
+    from fastpipe.generation.engine import Engine
     from fastpipe.serving import ModelSet
 
-    cfg = transformers.LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
-                                   num_key_value_heads=4, intermediate_size=4 * args.hidden, vocab_size=8000,
-                                   bos_token_id=1, eos_token_id=2)
-    rows = []
+    torch.manual_seed(0)
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine_info().items()))
     with tempfile.TemporaryDirectory() as tmp:
-        model = save_random_checkpoint(cfg, Path(tmp) / "m", seed=0).eval()
-        paths = build_generation_set(Path(tmp) / "m", Path(tmp) / "gen", batch=1, prompt_len=args.prompt,
-                                     max_new_tokens=args.tokens, tp=args.tp)
-        ids = torch.randint(3, 8000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-        with ModelSet(paths) as models:
-            models.warmup()
-            ours = []
-            for _ in range(args.repeat):
-                t = time.perf_counter()
-                toks = greedy_generate(models, ids, args.tokens)
-                ours.append(time.perf_counter() - t)
-        hf = []
-        for _ in range(args.repeat):
-            t = time.perf_counter()
-            ref = model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
-            hf.append(time.perf_counter() - t)
-        same = torch.equal(toks, ref[:, args.prompt:])
-        t_hf, t_ours = statistics.median(hf), statistics.median(ours)
-        rows.append(("HF generate (eager, one process)", f"{args.tokens / t_hf:.1f}", "1.00x", ""))
-        rows.append((f"fastpipe greedy, tp={args.tp}, cpu reference processor", f"{args.tokens / t_ours:.1f}",
-                     f"{t_hf / t_ours:.2f}x", "tokens identical" if same else "TOKENS DIFFER"))
-        b3 = [build_hf(Path(tmp) / "m", tp=args.tp, batch=b, seq_len=args.prompt).save(Path(tmp) / f"b{b}") for b in (1, 2, 4)]
+        tmp = Path(tmp)
+        mdir, model = make_model(tmp, layers=args.layers, hidden=args.hidden, vocab=args.vocab)
+        max_len = max(args.prompt + args.tokens, 64 + 64, 16 + args.rss_tokens)
+        t = time.perf_counter()
+        folder = make_set(mdir, tmp / "set", max_len=max_len, batches=(1, 8), prompt_lens=(16, 64), tp=args.tp)
+        build_s = time.perf_counter() - t
+        print(f"model: Llama-family, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; serving set "
+              f"tp={args.tp}, max_len {max_len}, batches 1 and 8, prompt buckets 16 and 64 (6 pipelines, built in "
+              f"{build_s:.1f} s)")
+        prompt = torch.randint(3, args.vocab, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+        n = args.tokens
+
+        # 1. batch-1 decode tokens/s
+        rows = []
+        hf_generate(model, prompt, n, compiled=True)               # compile outside the timing (its cache: prompt + n)
+        t_eager, ref = timed(lambda: hf_generate(model, prompt, n, compiled=False), args.repeat)
+        t_comp, ref_c = timed(lambda: hf_generate(model, prompt, n, compiled=True), args.repeat)
+        with Engine(folder, batch=1, eos_token_id=None) as eng:
+            warm = eng.warmup_seconds
+            t_ours, ours = timed(lambda: eng.generate([prompt], max_new_tokens=n, ignore_eos=True)[0], args.repeat)
+            how = eng.decode.describe()
+        with Engine(folder, batch=1, eos_token_id=None, compile=False) as eng:
+            t_ours_e, ours_e = timed(lambda: eng.generate([prompt], max_new_tokens=n, ignore_eos=True)[0], args.repeat)
+        same = lambda toks: "identical" if toks == ref else "DIFFER"  # noqa: E731
+        rows.append(("transformers generate, static cache, eager", f"{n / t_eager:.1f}", f"{t_comp / t_eager:.2f}x", "reference"))
+        rows.append(("transformers generate, static cache, torch.compile", f"{n / t_comp:.1f}", "1.00x", same(ref_c)))
+        rows.append(("fastpipe engine, batch 1, region compiled", f"{n / t_ours:.1f}", f"{t_comp / t_ours:.2f}x", same(ours)))
+        rows.append(("fastpipe engine, batch 1, region eager", f"{n / t_ours_e:.1f}", f"{t_comp / t_ours_e:.2f}x", same(ours_e)))
+        print(f"\n1. greedy decode, batch 1, prompt {args.prompt}, {n} new tokens (median of {args.repeat}; "
+              f"engine warm-up compile {warm:.1f} s, not timed; decode: {how})")
+        table(rows, ("variant", "tokens/s", "vs compiled HF", "tokens"))
+
+        # 2. continuous batching
+        prompts, news = load_requests(args.requests, args.vocab, prompt=(8, 64), new=(16, 64))
+        with Engine(folder, batch=8, eos_token_id=None) as eng:
+            batched, t_b = serve(eng, prompts, news)
+            steps = eng.steps
+        with Engine(folder, batch=1, eos_token_id=None) as eng:
+            solo, t_s = one_at_a_time(eng, prompts, news)
+        total = sum(news)
+        ok = sum(a == b for a, b in zip(batched, solo))
+        print(f"\n2. {args.requests} requests (prompts 8-64 tokens, 16-64 new tokens each, {total} tokens), "
+              f"greedy; batched from 8 threads: {steps} decode steps")
+        table([("one at a time, batch-1 engine", f"{total / t_s:.1f}", "1.00x", ""),
+               ("continuous batching, batch-8 engine, 8 threads", f"{total / t_b:.1f}", f"{t_s / t_b:.2f}x",
+                f"{ok}/{len(prompts)} equal their solo run")], ("variant", "tokens/s", "speed-up", "tokens"))
+
+        # 3. RSS over a long generation
+        with Engine(folder, batch=1, eos_token_id=None) as eng:
+            rss = rss_per_token(eng, prompt[:16], args.rss_tokens)
+        base = rss[min(15, len(rss) - 1)]
+        growth = (max(rss[16:] or rss) - base) / base
+        print(f"\n3. RSS over one {args.rss_tokens}-token generation (batch 1): {base / 2**20:.1f} MiB after token 16, "
+              f"max {max(rss) / 2**20:.1f} MiB, last {rss[-1] / 2**20:.1f} MiB: {growth * 100:+.2f}% after the first "
+              "16 tokens (target within 5%)")
+
+        # 4. exact-size buckets share weights
+        b3 = [build_hf(mdir, tp=args.tp, batch=b, seq_len=args.prompt).save(tmp / f"b{b}") for b in (1, 2, 4)]
         with ModelSet(b3[:1]) as one, ModelSet(b3) as three:
             w1, w3 = one.weight_bytes(), three.weight_bytes()
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine_info().items()))
-    print(f"model: Llama-family, {args.layers} layers, hidden {args.hidden}, vocab 8000; prompt {args.prompt}, "
-          f"{args.tokens} new tokens, batch 1")
-    header = ("variant", "tokens/s", "vs HF", "")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
-    for r in [header, tuple("-" * w for w in widths)] + rows:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-    print(f"memory: 3 buckets (batch 1, 2, 4) hold {w3 / 2**20:.2f} MiB of weights; one bucket {w1 / 2**20:.2f} MiB: "
-          f"{w3 / w1:.2f}x (target <= 1.1x)")
+        print(f"\n4. 3 exact-size buckets (batch 1, 2, 4) hold {w3 / 2**20:.2f} MiB of weights, one bucket "
+              f"{w1 / 2**20:.2f} MiB: {w3 / w1:.2f}x (target <= 1.1x)")
     return 0
 
 
