@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -102,8 +103,9 @@ class Engine:
                  warmup: bool = True, **load_kwargs):
         """source: a serving-set folder or a list of pipeline.json paths; load_kwargs: fastpipe.load's
         (processor="auto" and compile=True unless given). eos_token_id: an id, a list, None, or "auto"
-        (generation_config.json / config.json in the folder). warmup: compile every bucket now
-        (`warmup_seconds`), not on the first requests."""
+        (generation_config.json / config.json in the folder). warmup: compile every bucket and run
+        one decode step on the engine's caches now (`warmup_seconds`; on a GPU the decode step's CUDA
+        graph is captured then), not on the first requests."""
         load_kwargs.setdefault("processor", "auto")
         load_kwargs.setdefault("compile", True)
         self.buckets = buckets if buckets is not None else ServingBuckets(source, **load_kwargs)
@@ -112,7 +114,6 @@ class Engine:
             raise InputError(f"batch: expected one of the decode buckets {rows}, found {batch}")
         self.batch = batch if batch is not None else rows[-1]
         self.decode = self.buckets.decodes[self.batch]
-        self.warmup_seconds = self.buckets.warmup() if warmup else 0.0
         self.kv = KVState(self.decode)
         self.max_len, self.vocab = self.buckets.max_len, self.buckets.vocab
         self.longest_prompt = self.buckets.longest_prompt
@@ -125,6 +126,15 @@ class Engine:
         self.steps = 0                         # decode steps run
         self._waiting: list[Request] = []
         self._ids = itertools.count()
+        self.warmup_seconds = 0.0
+        if warmup:        # compile every bucket, then one step on the engine's own caches (rows all free):
+            t = time.perf_counter()    # a CUDA graph is captured now, not on a request
+            self.buckets.warmup()
+            self._step()
+            replay = getattr(self.decode.runner, "replay", None)
+            if replay is not None and not replay.replaying:     # the first call runs eagerly, the next captures
+                self._step()
+            self.steps, self.warmup_seconds = 0, time.perf_counter() - t
         self._cv = threading.Condition()
         self._closing = self._cancel_all = False
         self._worker = threading.Thread(target=self._loop, name="fastpipe-engine", daemon=True)
@@ -264,6 +274,8 @@ class Engine:
         outs = self.decode.run({**inputs, **self.kv.tensors})
         logits = assemble_outputs(self.decode.pipeline, outs, only=("logits",))["logits"][:, 0]   # [B, V]
         self.steps += 1
+        if not live:
+            return
         rows = [k for k, _ in live]
         toks = sample(logits[rows], [row.req.sampling for _, row in live], [row.generator for _, row in live])
         for (k, row), tok in zip(live, toks.tolist()):
