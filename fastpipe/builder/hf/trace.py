@@ -62,17 +62,19 @@ from fastpipe.errors import BuildError
 # (torch 2.13, transformers 5.23; tests/test_hf_harness.py checks every trace
 # against it). aten.detach appears only when the traced params require grad
 # (nn.Parameters passed as they are: Llama's rotary runs under no_grad).
+# A static cache (max_len) adds aten.index_put (the cache write) and aten.full
+# (the mask's minimum); tests/test_static_cache.py checks those traces.
 ATEN_OPS = frozenset({
     "aten._softmax.default", "aten._to_copy.default", "aten._unsafe_view.default", "aten.add.Tensor",
     "aten.addmm.default", "aten.alias.default", "aten.arange.default", "aten.bitwise_and.Tensor",
     "aten.bmm.default", "aten.cat.default", "aten.clone.default", "aten.cos.default", "aten.detach.default",
-    "aten.embedding.default", "aten.expand.default", "aten.ge.Scalar", "aten.gelu.default",
-    "aten.index.Tensor", "aten.le.Tensor", "aten.mean.dim", "aten.mm.default", "aten.mul.Tensor",
-    "aten.native_layer_norm.default", "aten.neg.default", "aten.new_ones.default", "aten.pow.Tensor_Scalar",
-    "aten.rsqrt.default", "aten.scalar_tensor.default", "aten.select.int", "aten.silu.default",
-    "aten.sin.default", "aten.slice.Tensor", "aten.split.Tensor", "aten.t.default", "aten.tanh.default",
-    "aten.transpose.int", "aten.unsqueeze.default", "aten.view.default", "aten.where.self",
-    "aten.zeros.default", "operator.getitem",
+    "aten.embedding.default", "aten.expand.default", "aten.full.default", "aten.ge.Scalar",
+    "aten.gelu.default", "aten.index.Tensor", "aten.index_put.default", "aten.le.Tensor", "aten.mean.dim",
+    "aten.mm.default", "aten.mul.Tensor", "aten.native_layer_norm.default", "aten.neg.default",
+    "aten.new_ones.default", "aten.pow.Tensor_Scalar", "aten.rsqrt.default", "aten.scalar_tensor.default",
+    "aten.select.int", "aten.silu.default", "aten.sin.default", "aten.slice.Tensor", "aten.split.Tensor",
+    "aten.t.default", "aten.tanh.default", "aten.transpose.int", "aten.unsqueeze.default",
+    "aten.view.default", "aten.where.self", "aten.zeros.default", "operator.getitem",
 })
 
 
