@@ -4,7 +4,7 @@ Exit status: 0 success; 2 anything given is invalid (pipeline, param files,
 payloads, inputs, options); 1 a valid run failed or --check found a mismatch.
 Errors print as one line (`fastpipe: error: ...`); --verbose adds the traceback.
 The commands live in fastpipe.cli.show (validate, show), fastpipe.cli.run, fastpipe.cli.dist
-(multi-process runs) and fastpipe.cli.build.
+(multi-process runs), fastpipe.cli.build (also --serve: a serving set) and fastpipe.cli.generate.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import argparse
 import sys
 import traceback
 
-from fastpipe.cli import build, run, show
+from fastpipe.cli import build, generate, run, show
 from fastpipe.cli.common import EXIT_FAILED
 from fastpipe.errors import FastpipeError, InputError
 
@@ -75,26 +75,76 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--slot-ranks", metavar="MAP", help="slot -> rank, e.g. 0=0,1=0,2=1,3=1 (default: contiguous blocks)")
     r.add_argument("--dist-timeout", type=float, default=120.0, metavar="S",
                    help="seconds any collective may wait before the run fails (default 120)")
-    b = sub.add_parser("build", help="split a local Hugging Face checkpoint folder into a tp x pp pipeline")
+    b = sub.add_parser("build", help="split a local Hugging Face checkpoint folder into a tp x pp pipeline, or "
+                                     "(--serve) into the serving set that `fastpipe generate` runs",
+                       description="Without --serve: one pipeline (OUT/pipeline.json) of the given shapes. With --max-len "
+                                   "and no --serve: one decode step on a static KV cache of M positions (input_ids, "
+                                   "cache_position and the caches in, logits and the updated caches out; --seq-len "
+                                   "defaults to 1). With --serve --max-len M: a serving set, a prefill pipeline per "
+                                   "batch x prompt length and one static-cache decode step per batch "
+                                   "(OUT/prefill_b{B}_s{S}/, OUT/decode_b{B}/), with the model's tokenizer and config "
+                                   "files linked into OUT, for `fastpipe generate OUT`.")
     b.add_argument("model", help="folder with config.json and *.safetensors (no network is used)")
-    b.add_argument("-o", "--output", required=True, help="output folder: pipeline.json, with the checkpoint files hard-linked in place")
+    b.add_argument("-o", "--output", required=True,
+                   help="output folder: pipeline.json (or with --serve a subfolder per pipeline), with the checkpoint "
+                        "files hard-linked in place")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     b.add_argument("--pp", type=int, default=1, help="pipeline stages, layers split evenly (default 1)")
     b.add_argument("--split-points", metavar="MODULES", help="comma-separated module names each stage after the first starts at")
-    b.add_argument("--batch", type=int, default=1)
-    b.add_argument("--seq-len", type=int, default=128)
+    b.add_argument("--batch", type=int, default=None, help="batch size (default 1; not with --serve: see --batches)")
+    b.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per row (default 128, or 1 with --max-len; not with --serve: see --prompt-lens)")
     b.add_argument("--past-len", type=int, default=None,
                    help="decoders: omit for no KV cache; 0 for a prefill that outputs the cache; P for a decode step over P cached tokens")
     b.add_argument("--sequence-parallel", action="store_true", help="reduce_scatter/all_gather on the sequence dim instead of all_reduce")
+    b.add_argument("--max-len", type=int, metavar="M",
+                   help="decoders: a static KV cache of M positions (prompt + generated tokens). Alone: one "
+                        "static-cache step (not with --past-len); with --serve: the serving set's max_len (required)")
+    b.add_argument("--serve", action="store_true",
+                   help="write a serving set for `fastpipe generate` (needs --max-len; takes --batches and "
+                        "--prompt-lens instead of --batch, --seq-len and --past-len)")
+    b.add_argument("--batches", metavar="LIST",
+                   help="with --serve: batch buckets, e.g. 1,8 (default 1); each gets its prefills and a decode step")
+    b.add_argument("--prompt-lens", metavar="LIST",
+                   help="with --serve: prompt-length buckets <= max-len, e.g. 16,64 (default: 16, 32, 64, ... below "
+                        "max-len, and max-len); a prompt is right-padded to the shortest that fits")
     b.add_argument("--style", choices=("fastpipe", "producer", "producer-2024.1"), default="fastpipe",
                    help="fastpipe: its own compact spelling (default); producer: what furiosa-llm (2024.2.0 and later) "
                         "writes and its Pipeline.load reads (every field, null where absent, payloads in <blob-id>.fx "
                         "files); producer-2024.1: the same with torch 2.1 payloads, for furiosa-llm 2024.1.x")
     b.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    g = sub.add_parser("generate", help="stream tokens for one prompt from a serving set (fastpipe build --serve)",
+                       description="Load a serving set (every bucket compiled up front unless --no-compile), generate "
+                                   "for one prompt and stream the tokens to stdout: text when the folder has a "
+                                   "tokenizer, else token ids separated by spaces. stderr gets the load time, a "
+                                   "progress bar (when stderr is a terminal and stdout is not) and a closing line "
+                                   "'N tokens in X s (Y tokens/s, first token after Z ms)'.")
+    g.add_argument("serving_set", metavar="FOLDER", help="a folder written by `fastpipe build MODEL -o FOLDER --serve`")
+    what = g.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", metavar="TEXT", help="prompt text (needs a tokenizer in the folder)")
+    what.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, e.g. 5,7,9 (works without a tokenizer)")
+    g.add_argument("--max-new-tokens", type=int, metavar="N",
+                   help="tokens to generate at most (default 32, or fewer when the prompt leaves less room in "
+                        "max_len); generation also stops at the model's EOS token unless --ignore-eos")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy; > 0: sample")
+    g.add_argument("--top-k", type=int, metavar="K", help="with --temperature > 0: keep the K most likely tokens (0: off)")
+    g.add_argument("--top-p", type=float, metavar="P", help="with --temperature > 0: nucleus sampling, 0 < P <= 1 (1: off)")
+    g.add_argument("--seed", type=int, metavar="S", help="with --temperature > 0: seed of the sampler (same seed, same tokens)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS, up to --max-new-tokens")
+    g.add_argument("--batch", type=int, metavar="B",
+                   help="decode bucket to run on (default: the smallest built; the prompt takes one of its rows)")
+    g.add_argument("--ids", action="store_true", help="print token ids even when the folder has a tokenizer")
+    g.add_argument("--processor", choices=("auto", "reference", "region", "cpu", "cuda"), default="auto",
+                   help="as for `fastpipe run` (default auto)")
+    g.add_argument("--device-map", metavar="MAP", help="slot placement, e.g. 0=cpu,1=cuda:0")
+    g.add_argument("--no-compile", action="store_true", help="run the pipelines eagerly (no torch.compile warm-up)")
+    g.add_argument("--quiet", "-q", action="store_true", help="nothing on stderr but errors")
+    g.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return ap
 
 
-COMMANDS = {"validate": show.cmd_validate, "show": show.cmd_show, "run": run.cmd_run, "build": build.cmd_build}
+COMMANDS = {"validate": show.cmd_validate, "show": show.cmd_show, "run": run.cmd_run, "build": build.cmd_build,
+            "generate": generate.cmd_generate}
 
 
 def main(argv: list[str] | None = None) -> int:

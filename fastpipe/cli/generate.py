@@ -1,0 +1,263 @@
+"""`fastpipe generate`: stream tokens from a serving set (`fastpipe build --serve`) for one prompt.
+
+Text in and out when the folder holds a tokenizer (build_serving_set links the model folder's
+tokenizer files and config.json beside the pipelines), token ids otherwise. Tokens go to stdout
+as the engine makes them; stderr gets the load/warm-up time, a progress bar (only when stderr is
+a terminal and stdout is not: on one terminal the streamed text is the progress) and one closing
+line "N tokens in X s (Y tokens/s, first token after Z ms)". --quiet keeps stderr for errors.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+from fastpipe.errors import InputError
+
+DEFAULT_MAX_NEW_TOKENS = 32
+# any of these beside the pipelines means the folder has a tokenizer (fastpipe.generation.build.SIDE_FILES)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def cmd_generate(args) -> int:
+    from fastpipe.cli.common import device_map_of
+
+    folder = Path(args.serving_set)
+    if not folder.is_dir():
+        raise InputError(f"serving set: expected a folder written by `fastpipe build --serve`, found no folder \"{folder}\"")
+    if (folder / "pipeline.json").is_file() and not any(folder.glob("*/pipeline.json")):
+        raise InputError(f"serving set: expected prefill and decode pipelines in subfolders of \"{folder}\", found a "
+                         "single pipeline.json (build with `fastpipe build MODEL -o OUT --serve --max-len M`)")
+    sampling = sampling_params(args)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens: expected an integer >= 1, found {args.max_new_tokens}")
+    device_map = device_map_of(args)
+    want_text = not args.ids
+    tok = load_tokenizer(folder) if (args.prompt is not None or want_text) and has_tokenizer(folder) else None
+    if args.prompt is not None:
+        if tok is None:
+            raise InputError(f"--prompt: expected a folder with a tokenizer (tokenizer.json, tokenizer_config.json, ...), "
+                             f"found none in \"{folder}\"; give token ids with --prompt-ids 5,7,9")
+        ids = list(tok.encode(args.prompt))
+    else:
+        ids = parse_ids(args.prompt_ids, "--prompt-ids")
+    printer = TextPrinter(tok, sys.stdout) if want_text and tok is not None else IdPrinter(sys.stdout)
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    t = time.perf_counter()
+    engine = open_engine(folder, args.batch, processor=args.processor, compile=not args.no_compile,
+                         device_map=device_map)
+    failed = True
+    try:
+        load_s = time.perf_counter() - t
+        # default: 32 tokens, or what fits in max_len after the prompt (an explicit value is checked as given)
+        max_new = args.max_new_tokens if args.max_new_tokens is not None else \
+            max(1, min(DEFAULT_MAX_NEW_TOKENS, engine.max_len - len(ids)))
+        preflight(engine, ids, max_new)         # bad input fails now, not after compiling every bucket
+        warm_s = engine.buckets.warmup()        # Engine(warmup=True) would do the same in its constructor
+        say(f"loaded {len(engine.buckets.sessions())} pipelines from {folder} in {load_s:.1f} s"
+            + (f", compiled in {warm_s:.1f} s" if not args.no_compile else " (eager)")
+            + f": decode batch {engine.batch}, max_len {engine.max_len}, prompts up to "
+              f"{engine.buckets.longest_prompt} tokens")
+        bar = Progress(sys.stderr, enabled=not args.quiet and _isatty(sys.stderr) and not _isatty(sys.stdout))
+        t0 = time.perf_counter()
+        req = engine.submit(ids, max_new_tokens=max_new, sampling=sampling, ignore_eos=args.ignore_eos)
+        first, n = None, 0
+        bar.start(max_new, t0)
+        try:
+            for token in req:
+                n += 1
+                if first is None:
+                    first = time.perf_counter() - t0
+                printer.add(token)
+                bar.update(n)
+        finally:
+            bar.clear()
+            printer.finish()
+        seconds = time.perf_counter() - t0
+        failed = False
+    finally:
+        engine.close(cancel=failed)
+    stop = {"eos": "stopped at EOS", "length": "reached --max-new-tokens"}.get(req.finish_reason, req.finish_reason)
+    say(f"{n} tokens in {seconds:.2f} s ({n / seconds:.1f} tokens/s, first token after {first * 1e3:.0f} ms); {stop}")
+    return 0
+
+
+def sampling_params(args):
+    """SamplingParams of the flags; each bad value is an InputError naming its flag."""
+    from fastpipe.generation.sampling import SamplingParams
+
+    t, k, p, s = args.temperature, args.top_k, args.top_p, args.seed
+    if not (math.isfinite(t) and t >= 0):
+        raise InputError(f"--temperature: expected a finite number >= 0 (0: greedy), found {t}")
+    if k is not None and k < 0:
+        raise InputError(f"--top-k: expected an integer >= 0 (0: off), found {k}")
+    if p is not None and not 0 < p <= 1:
+        raise InputError(f"--top-p: expected 0 < top-p <= 1, found {p}")
+    if s is not None and not 0 <= s < 2**64:
+        raise InputError(f"--seed: expected 0 <= seed < 2**64, found {s}")
+    if t == 0 and (k is not None or p is not None):
+        given = "/".join(f for f, v in (("--top-k", k), ("--top-p", p)) if v is not None)
+        raise InputError(f"{given}: expected --temperature > 0 with it (greedy decoding ignores it), found temperature 0")
+    params = SamplingParams(temperature=t, top_k=k or 0, top_p=1.0 if p is None else p, seed=s)
+    params.check()
+    return params
+
+
+def parse_ids(text: str, option: str) -> list[int]:
+    parts = text.replace(",", " ").split()
+    try:
+        return [int(x) for x in parts]
+    except ValueError:
+        bad = next(x for x in parts if not x.lstrip("-").isdigit())
+        raise InputError(f"{option}: expected comma-separated integer token ids, found {bad!r}") from None
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(folder: Path):
+    import logging
+
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise InputError(f"tokenizer: expected transformers to be installed to read \"{folder}\"'s tokenizer, "
+                         f"found: {e}; give token ids with --prompt-ids (and --ids)") from None
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "unreadable here"
+        raise InputError(f"tokenizer: expected one transformers can load from \"{folder}\", found: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}; give token ids with --prompt-ids (and --ids)") from None
+
+
+def open_engine(folder: Path, batch: int | None, **load_kwargs):
+    """The Engine on the folder, not warmed up yet (ServingBuckets.warmup compiles every bucket).
+    batch None: the smallest decode bucket (one prompt runs on as few rows as the set allows)."""
+    from fastpipe.generation.buckets import ServingBuckets
+    from fastpipe.generation.engine import Engine
+
+    buckets = ServingBuckets(folder, **load_kwargs)
+    try:
+        rows = sorted(buckets.decodes)
+        if batch is not None and batch not in rows:
+            raise InputError(f"--batch: expected one of the decode buckets {rows}, found {batch}")
+        return Engine(folder, batch=batch if batch is not None else rows[0], buckets=buckets, warmup=False)
+    except BaseException:
+        buckets.close()
+        raise
+
+
+def preflight(engine, ids: list[int], max_new_tokens: int) -> None:
+    """Engine.submit's checks of the prompt and max_new_tokens (same messages), before the warm-up compile;
+    submit checks again."""
+    bad = next((x for x in ids if not 0 <= x < engine.vocab), None)
+    if bad is not None:
+        raise InputError(f"prompt: expected token ids in [0, {engine.vocab}), found {bad!r}")
+    if not ids:
+        raise InputError("prompt: expected at least one token, found none")
+    longest = engine.buckets.longest_prompt
+    if len(ids) > longest:
+        raise InputError(f"prompt: expected at most {longest} tokens (the largest prefill bucket), found {len(ids)}")
+    if len(ids) + max_new_tokens > engine.max_len:
+        raise InputError(f"max_new_tokens: expected at most {engine.max_len - len(ids)} (max_len {engine.max_len} - "
+                         f"the prompt's {len(ids)} tokens), found {max_new_tokens}")
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class IdPrinter:
+    def __init__(self, out):
+        self.out, self.started = out, False
+
+    def add(self, token: int) -> None:
+        self.out.write(f" {token}" if self.started else str(token))
+        self.out.flush()
+        self.started = True
+
+    def finish(self) -> None:
+        if self.started:
+            self.out.write("\n")
+            self.out.flush()
+
+
+class TextPrinter:
+    """Streams decoded text: decodes every token so far and writes what is new, holding back while the
+    text ends in an incomplete character (U+FFFD) or stops extending what was written (a tokenizer may
+    merge or clean up across tokens); the end writes the rest."""
+
+    def __init__(self, tok, out):
+        self.tok, self.out = tok, out
+        self.tokens: list[int] = []
+        self.written = ""
+
+    def _text(self) -> str:
+        return self.tok.decode(self.tokens, skip_special_tokens=True)
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self._text()
+        if text.endswith("\ufffd") or not text.startswith(self.written):
+            return
+        self._write(text)
+
+    def _write(self, text: str) -> None:
+        new = text[len(self.written):]
+        if new:
+            self.out.write(new)
+            self.out.flush()
+            self.written = text
+
+    def finish(self) -> None:
+        if not self.tokens:
+            return
+        text = self._text()
+        if text.startswith(self.written):
+            self._write(text)
+        else:                 # the final text does not extend what was streamed: write its differing tail
+            common = next((i for i, (a, b) in enumerate(zip(self.written, text)) if a != b),
+                          min(len(self.written), len(text)))
+            self.out.write(text[common:])
+        self.out.write("\n")
+        self.out.flush()
+
+
+class Progress:
+    """`\\r[#####     ] 12/32 tokens  85.1 tok/s` on a terminal, redrawn at most 10 times a second."""
+
+    WIDTH = 30
+
+    def __init__(self, out, enabled: bool):
+        self.out, self.enabled = out, enabled
+        self.total, self.t0, self.last, self.drawn = 1, 0.0, 0.0, 0
+
+    def start(self, total: int, t0: float) -> None:
+        self.total, self.t0 = total, t0
+
+    def update(self, n: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if n < self.total and now - self.last < 0.1:
+            return
+        self.last = now
+        fill = self.WIDTH * n // self.total
+        rate = n / max(now - self.t0, 1e-9)
+        line = f"\r[{'#' * fill}{' ' * (self.WIDTH - fill)}] {n}/{self.total} tokens  {rate:.1f} tok/s"
+        self.out.write(line + " " * max(0, self.drawn - len(line)))
+        self.out.flush()
+        self.drawn = len(line)
+
+    def clear(self) -> None:
+        if self.enabled and self.drawn:
+            self.out.write("\r" + " " * self.drawn + "\r")
+            self.out.flush()
+            self.drawn = 0
