@@ -269,6 +269,9 @@ def write_ours(folder: Path, style: str = "producer") -> list[Path]:
             build_hf(ckpt, tp=tp, pp=pp, batch=1, seq_len=8 if past is None else 1, past_len=past).save(
                 dest, style=style)
             out.append(dest / "pipeline.json")
+        dest = folder / f"build_{family}_tp2_static16"       # a serving set's decode step (static KV cache)
+        build_hf(ckpt, tp=2, batch=2, seq_len=1, max_len=16).save(dest, style=style)
+        out.append(dest / "pipeline.json")
 
     class Block(torch.nn.Module):
         def __init__(self):

@@ -146,6 +146,18 @@ def test_traced_graph_equals_hf_forward(ckpt, key, past_len):
         torch.testing.assert_close(g, e, **TOL, msg=lambda m, n=t.name: f"{key} {n}: {m}")
 
 
+@pytest.mark.parametrize("key", ["gpt2", "llama_gqa_4_2"])
+def test_static_cache_trace_ops_are_documented(ckpt, key):
+    """The static-cache form (max_len) adds the cache write and the mask's fill to the op set (its
+    numerics against the HF model: tests/test_static_cache.py)."""
+    model_dir, _ = ckpt(key)
+    model, config, family = load_skeleton(model_dir)
+    ff = traced_forward(model, family, config, batch=B, seq_len=S, max_len=S + P)
+    seen = _check_graph(trace_fake(ff, _weights(model_dir, model)))
+    SEEN_OPS.update(seen)
+    assert {"aten.index_put.default", "aten.full.default"} <= seen
+
+
 def test_signature_names_and_idx():
     cfg = CONFIGS["llama_gqa_4_2"]()
     sig = flat_signature("llama", cfg, B, S, past_len=5)

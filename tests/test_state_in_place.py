@@ -256,9 +256,6 @@ def test_refusals(static):
         RunOptions(state_in_place="yes")
 
 
-@pytest.mark.xfail(strict=True, raises=InputError,
-                   reason="check_state_inputs compares storages, not the elements used: disjoint views of one "
-                          "allocation (one buffer for all caches) are refused as sharing memory")
 def test_disjoint_views_of_one_buffer_are_accepted(static):
     path = static(1)
     sess = fastpipe.load(path, state_in_place=True)

@@ -54,8 +54,8 @@ def cmd_generate(args) -> int:
         # default: 32 tokens, or what fits in max_len after the prompt (an explicit value is checked as given)
         max_new = args.max_new_tokens if args.max_new_tokens is not None else \
             max(1, min(DEFAULT_MAX_NEW_TOKENS, engine.max_len - len(ids)))
-        preflight(engine, ids, max_new)         # bad input fails now, not after compiling every bucket
-        warm_s = engine.buckets.warmup()        # Engine(warmup=True) would do the same in its constructor
+        engine.check(ids, max_new_tokens=max_new, sampling=sampling)   # bad input fails now, not after compiling
+        warm_s = engine.warmup()                # Engine(warmup=True) would do the same in its constructor
         say(f"loaded {len(engine.buckets.sessions())} pipelines from {folder} in {load_s:.1f} s"
             + (f", compiled in {warm_s:.1f} s" if not args.no_compile else " (eager)")
             + f": decode batch {engine.batch}, max_len {engine.max_len}, prompts up to "
@@ -149,22 +149,6 @@ def open_engine(folder: Path, batch: int | None, **load_kwargs):
     except BaseException:
         buckets.close()
         raise
-
-
-def preflight(engine, ids: list[int], max_new_tokens: int) -> None:
-    """Engine.submit's checks of the prompt and max_new_tokens (same messages), before the warm-up compile;
-    submit checks again."""
-    bad = next((x for x in ids if not 0 <= x < engine.vocab), None)
-    if bad is not None:
-        raise InputError(f"prompt: expected token ids in [0, {engine.vocab}), found {bad!r}")
-    if not ids:
-        raise InputError("prompt: expected at least one token, found none")
-    longest = engine.buckets.longest_prompt
-    if len(ids) > longest:
-        raise InputError(f"prompt: expected at most {longest} tokens (the largest prefill bucket), found {len(ids)}")
-    if len(ids) + max_new_tokens > engine.max_len:
-        raise InputError(f"max_new_tokens: expected at most {engine.max_len - len(ids)} (max_len {engine.max_len} - "
-                         f"the prompt's {len(ids)} tokens), found {max_new_tokens}")
 
 
 def _isatty(stream) -> bool:

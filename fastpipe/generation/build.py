@@ -57,18 +57,18 @@ def build_serving_set(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     batches = _ints("batches", batches, 1)
     lens = _ints("prompt_lens", prompt_lens if prompt_lens is not None else default_prompt_lens(max_len), 1, max_len)
     model_dir, out = Path(model_dir), Path(out_dir)
-    paths = []
+    built = {}                  # every pipeline is built (and checked) before anything is written
     for b in batches:
+        built[f"decode_b{b}"] = build_hf(model_dir, tp=tp, pp=pp, batch=b, seq_len=1, max_len=max_len, dtype=dtype)
         for s in lens:
-            built = build_hf(model_dir, tp=tp, pp=pp, batch=b, seq_len=s, past_len=0, dtype=dtype)
-            paths.append(built.save(out / f"prefill_b{b}_s{s}", style=style))
-        built = build_hf(model_dir, tp=tp, pp=pp, batch=b, seq_len=1, max_len=max_len, dtype=dtype)
-        paths.append(built.save(out / f"decode_b{b}", style=style))
+            built[f"prefill_b{b}_s{s}"] = build_hf(model_dir, tp=tp, pp=pp, batch=b, seq_len=s, past_len=0, dtype=dtype)
+    paths = [built[k].save(out / k, style=style) for k in sorted(built)]
     for name in SIDE_FILES:
-        src = model_dir / name
-        if src.is_file() and not (out / name).exists():
+        src, dst = model_dir / name, out / name
+        if src.is_file():
+            dst.unlink(missing_ok=True)               # a rebuild takes this model's tokenizer, not an old one
             try:
-                os.link(src, out / name)
+                os.link(src, dst)
             except OSError:
-                shutil.copyfile(src, out / name)      # small text files: a copy is fine across filesystems
+                shutil.copyfile(src, dst)             # small text files: a copy is fine across filesystems
     return paths

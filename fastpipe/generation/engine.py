@@ -109,6 +109,18 @@ class Engine:
         load_kwargs.setdefault("processor", "auto")
         load_kwargs.setdefault("compile", True)
         self.buckets = buckets if buckets is not None else ServingBuckets(source, **load_kwargs)
+        try:
+            self._setup(batch, eos_token_id, warmup)
+        except BaseException:
+            if buckets is None:           # ours: release the sessions loaded for nothing
+                self.buckets.close()
+            raise
+        self._cv = threading.Condition()
+        self._closing = self._cancel_all = False
+        self._worker = threading.Thread(target=self._loop, name="fastpipe-engine", daemon=True)
+        self._worker.start()
+
+    def _setup(self, batch, eos_token_id, warmup: bool) -> None:
         rows = sorted(self.buckets.decodes)
         if batch is not None and batch not in rows:
             raise InputError(f"batch: expected one of the decode buckets {rows}, found {batch}")
@@ -126,25 +138,42 @@ class Engine:
         self.steps = 0                         # decode steps run
         self._waiting: list[Request] = []
         self._ids = itertools.count()
+        self._busy = threading.Lock()          # held while the sessions run (the worker, or warmup())
         self.warmup_seconds = 0.0
-        if warmup:        # compile every bucket, then one step on the engine's own caches (rows all free):
-            t = time.perf_counter()    # a CUDA graph is captured now, not on a request
+        if warmup:
+            self.warmup()
+
+    def warmup(self) -> float:
+        """Compile every bucket, then run one decode step on the engine's own caches (rows all free),
+        so that a GPU captures the decode step's CUDA graph now, not on a request. Returns the seconds
+        it took (also `warmup_seconds`). The constructor calls it unless warmup=False."""
+        with self._busy:
+            t = time.perf_counter()
             self.buckets.warmup()
             self._step()
             replay = getattr(self.decode.runner, "replay", None)
             if replay is not None and not replay.replaying:     # the first call runs eagerly, the next captures
                 self._step()
             self.steps, self.warmup_seconds = 0, time.perf_counter() - t
-        self._cv = threading.Condition()
-        self._closing = self._cancel_all = False
-        self._worker = threading.Thread(target=self._loop, name="fastpipe-engine", daemon=True)
-        self._worker.start()
+        return self.warmup_seconds
 
     # ------------------------------------------------------------------ callers
     def submit(self, prompt, *, max_new_tokens: int, sampling: SamplingParams | None = None,
                ignore_eos: bool = False) -> Request:
         if self._closing:
             raise InputError("submit: expected an open engine, found it closed")
+        ids, sampling = self.check(prompt, max_new_tokens=max_new_tokens, sampling=sampling)
+        req = Request(next(self._ids), ids, max_new_tokens, sampling, frozenset() if ignore_eos else self.eos)
+        with self._cv:
+            if self._closing:
+                raise InputError("submit: expected an open engine, found it closed")
+            self._waiting.append(req)
+            self._cv.notify()
+        return req
+
+    def check(self, prompt, *, max_new_tokens: int, sampling: SamplingParams | None = None):
+        """What submit checks, without submitting: (the prompt's ids, the sampling parameters), or a
+        one-line InputError."""
         ids = _prompt_ids(prompt, self.vocab)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens: expected an integer >= 1, found {max_new_tokens!r}")
@@ -158,13 +187,7 @@ class Engine:
         if not isinstance(sampling, SamplingParams):
             raise InputError(f"sampling: expected a SamplingParams, found {type(sampling).__name__}")
         sampling.check()
-        req = Request(next(self._ids), ids, max_new_tokens, sampling, frozenset() if ignore_eos else self.eos)
-        with self._cv:
-            if self._closing:
-                raise InputError("submit: expected an open engine, found it closed")
-            self._waiting.append(req)
-            self._cv.notify()
-        return req
+        return ids, sampling
 
     def generate(self, prompts: Sequence, *, max_new_tokens: int, sampling: SamplingParams | None = None,
                  ignore_eos: bool = False) -> list[list[int]]:
@@ -216,19 +239,24 @@ class Engine:
                     self.rows = [None] * self.batch
                     return
                 newcomers = self._take_newcomers()
+            with self._busy:
+                self._advance(newcomers)
+
+    def _advance(self, newcomers: list[Request]) -> None:
+        """Admit the newcomers, then one decode step; a failure fails the requests it touched."""
+        try:
+            self._admit(newcomers)
+        except Exception as e:  # noqa: BLE001 - the newcomers fail, the engine goes on
+            for r in newcomers:
+                self._release(r, "error", _as_error(e))
+        if self.active:
             try:
-                self._admit(newcomers)
-            except Exception as e:  # noqa: BLE001 - the newcomers fail, the engine goes on
-                for r in newcomers:
-                    self._release(r, "error", _as_error(e))
-            if self.active:
-                try:
-                    self._step()
-                except Exception as e:  # noqa: BLE001 - the rows of this step fail, the engine goes on
-                    for k, row in enumerate(self.rows):
-                        if row is not None:
-                            self.rows[k] = None
-                            row.req._finish("error", _as_error(e))
+                self._step()
+            except Exception as e:  # noqa: BLE001 - the rows of this step fail, the engine goes on
+                for k, row in enumerate(self.rows):
+                    if row is not None:
+                        self.rows[k] = None
+                        row.req._finish("error", _as_error(e))
 
     def _take_newcomers(self) -> list[Request]:
         for k, row in enumerate(self.rows):                      # cancelled rows free up first

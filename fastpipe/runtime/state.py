@@ -45,18 +45,28 @@ def state_pairs(p: Pipeline) -> dict[str, str]:
     return pairs
 
 
+def _span(t: torch.Tensor) -> tuple:
+    """(device, storage, first byte, byte after the last) of the memory t's elements lie in."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    start = t.storage_offset() * t.element_size()
+    return t.device, t.untyped_storage().data_ptr(), start, start + (last + 1) * t.element_size()
+
+
 def check_state_inputs(inputs: Mapping[str, torch.Tensor], pairs: Mapping[str, str]) -> None:
-    """State inputs must be distinct memory: one tensor given for two would receive both updates."""
-    seen: dict[tuple, str] = {}
+    """State inputs must not overlap: memory given for two would receive both updates. Disjoint views
+    of one allocation (one buffer holding every cache) are fine; views whose spans overlap are refused
+    (interleaved strided views too: telling those apart is not worth the cost)."""
+    spans = []
     for name in pairs:
         t = inputs.get(name)
         if not isinstance(t, torch.Tensor) or not t.numel():
             continue
-        key = (t.device, t.untyped_storage().data_ptr())
-        if key in seen:
-            raise InputError(f"inputs[\"{name}\"]: expected its own memory (its output is written into it in place), "
-                             f"found the memory of inputs[\"{seen[key]}\"]")
-        seen[key] = name
+        dev, base, lo, hi = _span(t)
+        for other, (d2, b2, lo2, hi2) in spans:
+            if (dev, base) == (d2, b2) and lo < hi2 and lo2 < hi:
+                raise InputError(f"inputs[\"{name}\"]: expected its own memory (its output is written into it in "
+                                 f"place), found memory shared with inputs[\"{other}\"]")
+        spans.append((name, (dev, base, lo, hi)))
 
 
 def write_back(inputs: Mapping[str, torch.Tensor], outputs: dict, pairs: Mapping[str, str]) -> dict:
