@@ -33,13 +33,18 @@ def make_set(model_dir: Path, out: Path, *, max_len: int, batches=(1, 8), prompt
     return out
 
 
-def hf_generate(model, prompt: list[int], n: int, *, compiled: bool) -> list[int]:
-    """transformers' greedy generate with its static cache; compiled: its forward under torch.compile
-    (transformers compiles itself on GPUs; on a CPU only when asked, as here)."""
-    from transformers import CompileConfig
+def hf_generate(model, prompt: list[int], n: int, *, compiled: bool, max_cache_len: int | None = None) -> list[int]:
+    """transformers' greedy generate with its static cache (of max_cache_len positions: the engine's
+    max_len, so both attend over as many; default prompt + n); compiled: its forward under
+    torch.compile (transformers compiles itself on GPUs; on a CPU only when asked, as here)."""
+    from transformers import CompileConfig, StaticCache
 
     ids = torch.tensor([prompt])
-    kwargs = dict(cache_implementation="static", disable_compile=not compiled)
+    kwargs = dict(disable_compile=not compiled)
+    if max_cache_len is None:
+        kwargs["cache_implementation"] = "static"
+    else:
+        kwargs["past_key_values"] = StaticCache(config=model.config, max_cache_len=max_cache_len)
     if compiled:
         cc = CompileConfig(fullgraph=True, dynamic=False, mode="default")
         cc._compile_all_devices = True

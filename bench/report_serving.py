@@ -78,9 +78,9 @@ def main() -> int:
 
         # 1. batch-1 decode tokens/s
         rows = []
-        hf_generate(model, prompt, n, compiled=True)               # compile outside the timing (its cache: prompt + n)
-        t_eager, ref = timed(lambda: hf_generate(model, prompt, n, compiled=False), args.repeat)
-        t_comp, ref_c = timed(lambda: hf_generate(model, prompt, n, compiled=True), args.repeat)
+        hf_generate(model, prompt, n, compiled=True, max_cache_len=max_len)     # compile outside the timing
+        t_eager, ref = timed(lambda: hf_generate(model, prompt, n, compiled=False, max_cache_len=max_len), args.repeat)
+        t_comp, ref_c = timed(lambda: hf_generate(model, prompt, n, compiled=True, max_cache_len=max_len), args.repeat)
         with Engine(folder, batch=1, eos_token_id=None) as eng:
             warm = eng.warmup_seconds
             t_ours, ours = timed(lambda: eng.generate([prompt], max_new_tokens=n, ignore_eos=True)[0], args.repeat)
@@ -92,7 +92,8 @@ def main() -> int:
         rows.append(("transformers generate, static cache, torch.compile", f"{n / t_comp:.1f}", "1.00x", same(ref_c)))
         rows.append(("fastpipe engine, batch 1, region compiled", f"{n / t_ours:.1f}", f"{t_comp / t_ours:.2f}x", same(ours)))
         rows.append(("fastpipe engine, batch 1, region eager", f"{n / t_ours_e:.1f}", f"{t_comp / t_ours_e:.2f}x", same(ours_e)))
-        print(f"\n1. greedy decode, batch 1, prompt {args.prompt}, {n} new tokens (median of {args.repeat}; "
+        print(f"\n1. greedy decode, batch 1, prompt {args.prompt}, {n} new tokens, static caches of {max_len} positions "
+              f"on both sides (median of {args.repeat}; "
               f"engine warm-up compile {warm:.1f} s, not timed; decode: {how})")
         table(rows, ("variant", "tokens/s", "vs compiled HF", "tokens"))
 
