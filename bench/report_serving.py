@@ -85,13 +85,20 @@ def main() -> int:
             warm = eng.warmup_seconds
             t_ours, ours = timed(lambda: eng.generate([prompt], max_new_tokens=n, ignore_eos=True)[0], args.repeat)
             how = eng.decode.describe()
+        one = make_set(mdir, tmp / "set_tp1", max_len=max_len, batches=(1,), prompt_lens=(16,), tp=1)
+        with Engine(one, batch=1, eos_token_id=None) as eng:
+            t_one, ours_one = timed(lambda: eng.generate([prompt], max_new_tokens=n, ignore_eos=True)[0], args.repeat)
         with Engine(folder, batch=1, eos_token_id=None, compile=False) as eng:
             t_ours_e, ours_e = timed(lambda: eng.generate([prompt], max_new_tokens=n, ignore_eos=True)[0], args.repeat)
         same = lambda toks: "identical" if toks == ref else "DIFFER"  # noqa: E731
         rows.append(("transformers generate, static cache, eager", f"{n / t_eager:.1f}", f"{t_comp / t_eager:.2f}x", "reference"))
         rows.append(("transformers generate, static cache, torch.compile", f"{n / t_comp:.1f}", "1.00x", same(ref_c)))
-        rows.append(("fastpipe engine, batch 1, region compiled", f"{n / t_ours:.1f}", f"{t_comp / t_ours:.2f}x", same(ours)))
-        rows.append(("fastpipe engine, batch 1, region eager", f"{n / t_ours_e:.1f}", f"{t_comp / t_ours_e:.2f}x", same(ours_e)))
+        rows.append((f"fastpipe engine, batch 1, tp={args.tp} set, region compiled", f"{n / t_ours:.1f}",
+                     f"{t_comp / t_ours:.2f}x", same(ours)))
+        rows.append((f"fastpipe engine, batch 1, tp={args.tp} set, region eager", f"{n / t_ours_e:.1f}",
+                     f"{t_comp / t_ours_e:.2f}x", same(ours_e)))
+        rows.append(("fastpipe engine, batch 1, tp=1 set, region compiled", f"{n / t_one:.1f}", f"{t_comp / t_one:.2f}x",
+                     same(ours_one)))
         print(f"\n1. greedy decode, batch 1, prompt {args.prompt}, {n} new tokens, static caches of {max_len} positions "
               f"on both sides (median of {args.repeat}; "
               f"engine warm-up compile {warm:.1f} s, not timed; decode: {how})")
