@@ -1,0 +1,74 @@
+"""The committed tiny serving set (tests/data/serving/llama_tp2, made by tests/data/make_serving_set.py
+with transformers' greedy tokens as expected.json): runs where transformers is absent, on the CPU and,
+marked `cuda`, on a GPU with the decode step captured as a CUDA graph at warm-up."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastpipe
+from fastpipe.format import read_pipeline
+from fastpipe.generation.engine import Engine
+
+SET = Path(__file__).resolve().parent / "data" / "serving" / "llama_tp2"
+EXPECTED = json.loads((SET / "expected.json").read_text())
+
+
+def _generate(eng) -> list[list[int]]:
+    reqs = [eng.submit(p, max_new_tokens=n) for p, n in zip(EXPECTED["prompts"], EXPECTED["max_new_tokens"])]
+    return [r.result(timeout=300) for r in reqs]
+
+
+def test_committed_set_generates_transformers_tokens_on_cpu():
+    with Engine(SET, eos_token_id=None, compile=False) as eng:
+        assert eng.batch == 2 and eng.max_len == 24 and len(EXPECTED["prompts"]) > eng.batch
+        assert _generate(eng) == EXPECTED["tokens"]
+
+
+def _on_gpu(path: Path) -> dict:
+    p = read_pipeline(path)
+    return {slot: "cuda:0" for slot in p.devices}
+
+
+@pytest.mark.cuda
+def test_engine_on_gpu_captures_the_decode_step_at_warmup_and_keeps_its_caches():
+    device_map = _on_gpu(SET / "decode_b2" / "pipeline.json")
+    with Engine(SET, eos_token_id=None, compile=True, compile_policy="raise", device_map=device_map) as eng:
+        replay = eng.decode.runner.replay
+        assert replay is not None and replay.replaying            # captured in the constructor, not on a request
+        assert all(t.device.type == "cuda" for t in eng.kv.tensors.values())
+        ptrs = {n: t.data_ptr() for n, t in eng.kv.tensors.items()}
+        assert replay.static_in[next(iter(ptrs))] is eng.kv.tensors[next(iter(ptrs))]   # the caches are the graph's
+        assert _generate(eng) == EXPECTED["tokens"]
+        assert _generate(eng) == EXPECTED["tokens"]                # replayed again, same tokens
+        assert {n: t.data_ptr() for n, t in eng.kv.tensors.items()} == ptrs
+        assert "replayed as one CUDA graph" in eng.decode.describe()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("processor", ["region", "cuda", "reference"])
+def test_state_in_place_on_gpu_equals_the_cpu_copying_path(processor):
+    path = SET / "decode_b2" / "pipeline.json"
+    ref = fastpipe.load(path)
+    sess = fastpipe.load(path, processor=processor, state_in_place=True, device_map=_on_gpu(path))
+    g = torch.Generator().manual_seed(0)
+    cpu = {}
+    for n in sess.input_names:
+        t = sess.pipeline.tensors[n]
+        cpu[n] = torch.randn(t.shape, generator=g) if n.startswith("past") else torch.zeros(t.shape, dtype=torch.int64)
+    for n in cpu:
+        if n.startswith("input_ids"):
+            cpu[n] = torch.tensor([[7], [11]])
+        elif n.startswith("cache_position"):
+            cpu[n] = torch.tensor([3, 9])
+    for step in range(3):                                   # several steps: replay (where enabled) after the first
+        want = ref.run({n: t.clone() for n, t in cpu.items()})
+        gpu = {n: t.cuda() for n, t in cpu.items()}
+        out = sess.run(gpu)
+        for i, o in sess.state.items():
+            assert out[o] is gpu[i]
+        for n, w in want.items():
+            torch.testing.assert_close(out[n].cpu(), w, rtol=1e-4, atol=1e-5)
+        cpu = {n: (want[sess.state[n]] if n in sess.state else t) for n, t in cpu.items()}
+        cpu = {n: (t + 1 if n.startswith("cache_position") else t) for n, t in cpu.items()}
