@@ -130,3 +130,25 @@ def test_split_chunks_gives_one_part_per_chunk():
     with pytest.raises(InputError, match=re.escape("inputs[\"y\"].shape[0]: expected 6 (chunks=3 x the pipeline's batch 2), "
                                                    "found a scalar") + "$"):
         split_chunks({"y": torch.tensor(1)}, 3, {"y": 2})
+
+
+def test_dist_processor_refuses_chunks_of_a_0dim_input(scalar_pipelines):
+    """The dist processor checks chunked inputs the same way (one rank under torchrun)."""
+    from tests.test_distributed import torchrun
+
+    proc = torchrun(1, str(scalar_pipelines[0]), "--chunks", "2", "--no-compile", "--repeat", "1")
+    assert proc.returncode != 0      # the rank exits 2; torchrun reports a failed child as 1
+    assert ('fastpipe: error: [rank 0] chunks: expected 1 (the pipeline input "t" has shape [], no dim 0 to split '
+            'micro-batches along), found 2') in proc.stderr.splitlines()
+
+
+def test_cli_run_refuses_chunks_of_a_0dim_input(scalar_pipelines):
+    """`fastpipe run --chunks 2` on random inputs: a 0-dim input is not repeated, and the run says why."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "fastpipe", "run", str(scalar_pipelines[0]), "--chunks", "2",
+                           "--no-compile", "--repeat", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == ['fastpipe: error: chunks: expected 1 (the pipeline input "t" has '
+                                                'shape [], no dim 0 to split micro-batches along), found 2']

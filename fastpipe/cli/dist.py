@@ -11,6 +11,7 @@ from fastpipe.cli.common import (check_counts, check_writable, device_map_of, lo
                                  reading_safetensors, report_results, run_options)
 from fastpipe.errors import FastpipeError, InputError
 from fastpipe.runtime.dist_setup import check_slot_ranks, env_world
+from fastpipe.runtime.microbatch import repeat_chunks
 
 
 def parse_slot_ranks_option(text: str) -> dict[str, str]:
@@ -200,7 +201,7 @@ def _rank_main(args, rank: int) -> int:
     else:
         inputs = {k: v for k, v in random_inputs(p, args.seed).items() if k in runner.needed_inputs}
         if args.chunks > 1:
-            inputs = {k: torch.cat([v] * args.chunks, dim=0) for k, v in inputs.items()}
+            inputs = repeat_chunks(inputs, args.chunks)
     expected = read_tensors(args.check, "--check") if lead and args.check else None
     compile_msg = ""
     if not args.no_compile:

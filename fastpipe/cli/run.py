@@ -15,6 +15,7 @@ def cmd_run(args) -> int:
     from fastpipe.cli import dist
     from fastpipe.format import read_pipeline
     from fastpipe.random_inputs import random_inputs
+    from fastpipe.runtime.microbatch import repeat_chunks
     from fastpipe.session import Session
 
     if dist.wants_dist(args):      # multi-process: torchrun-launched, --nproc or --processor dist
@@ -31,7 +32,7 @@ def cmd_run(args) -> int:
     if args.trace:
         check_writable(args.trace, "--trace")
     if args.chunks > 1 and not args.inputs:
-        inputs = {k: torch.cat([v] * args.chunks, dim=0) for k, v in inputs.items()}
+        inputs = repeat_chunks(inputs, args.chunks)
     t0 = time.perf_counter()
     sess = Session(p, device_map=device_map, load_options=load_options(args), run_options=run_options(args))
     load_s = time.perf_counter() - t0

@@ -222,10 +222,14 @@ class DistProcessor:
             if name not in inputs:
                 raise InputError(f"inputs[\"{name}\"]: expected a tensor for this pipeline input (rank {self.rank} "
                                  "runs a supertask that reads it), found none")
-        present = tuple(n for n in p.input_names if n in inputs)
-        view = {n: (inputs[n][: p.tensors[n].shape[0]] if chunks > 1 and isinstance(inputs[n], torch.Tensor) and inputs[n].dim()
-                    else inputs[n]) for n in present}
-        check_inputs(SimpleNamespace(input_names=present, tensors=p.tensors), view, self.input_devices)
+        present = SimpleNamespace(input_names=tuple(n for n in p.input_names if n in inputs),
+                                  output_names=p.output_names, tensors=p.tensors)
+        if chunks > 1:
+            from fastpipe.runtime.microbatch import check_chunked_inputs
+
+            check_chunked_inputs(present, inputs, chunks, self.input_devices)
+        else:
+            check_inputs(present, inputs, self.input_devices)
 
     # ------------------------------------------------------------------ one call
     def run(self, parts: list[dict], events: list | None = None) -> list[dict]:

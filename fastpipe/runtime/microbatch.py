@@ -53,3 +53,9 @@ def split_chunks(inputs: Mapping[str, torch.Tensor], chunks: int, batch: Mapping
         for c in range(chunks):          # slices, not t.split(want): a batch of 0 still gives `chunks` parts
             out[c][name] = t[c * want:(c + 1) * want]
     return out
+
+
+def repeat_chunks(inputs: Mapping[str, torch.Tensor], chunks: int) -> dict[str, torch.Tensor]:
+    """Each input repeated `chunks` times along dim 0 (the CLI's random inputs for --chunks); 0-dim
+    tensors stay as they are, for the run to refuse them by name (check_chunked_inputs)."""
+    return {k: torch.cat([v] * chunks, dim=0) if v.dim() else v for k, v in inputs.items()}
