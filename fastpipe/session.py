@@ -180,10 +180,8 @@ class Session:
         if self._in_place:
             if chunks != 1:
                 raise InputError(f"chunks: expected 1 with state_in_place (state is one batch), found {chunks}")
-            from fastpipe.runtime.state import check_state_inputs, write_back
+            from fastpipe.runtime.state import write_back
 
-            check_inputs(self.pipeline, inputs, self._input_devices)
-            check_state_inputs(inputs, self._in_place)
             return write_back(inputs, self._run_checked(inputs, chunks, trace), self._in_place)
         return self._run_checked(inputs, chunks, trace)
 
@@ -200,6 +198,10 @@ class Session:
         events: list | None = [] if trace is not None else None
         if chunks == 1:
             check_inputs(self.pipeline, inputs, self._input_devices)
+            if self._in_place:
+                from fastpipe.runtime.state import check_state_inputs
+
+                check_state_inputs(inputs, self._in_place)
             parts = [inputs]
         else:
             from fastpipe.runtime.microbatch import check_chunked_inputs, split_chunks

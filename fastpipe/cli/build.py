@@ -107,9 +107,7 @@ def _build_serving_set(args, model_dir) -> int:
     try:
         paths = build_serving_set(model_dir, out, max_len=args.max_len, batches=batches, prompt_lens=lens,
                                   tp=args.tp, pp=args.pp, style=args.style)
-    except ValueError as e:
-        raise InputError(f"build: {' '.join(str(e).split())}") from None
-    except OSError as e:
+    except (ValueError, OSError) as e:
         raise InputError(f"build: {' '.join(str(e).split())}") from None
     for p in paths:
         print(f"wrote {p}")
@@ -121,8 +119,8 @@ def _build_serving_set(args, model_dir) -> int:
 
 
 def _check_decoder(model_dir, max_len: int) -> None:
-    """Refuse what build_serving_set would only find out after writing the first prefills: an encoder, or
-    a max_len past the model's positions (the builder checks again)."""
+    """Refuse, before any tracing, what build_serving_set would find out only while building: an
+    encoder, or a max_len past the model's positions (the builder checks again)."""
     import json
 
     from fastpipe.builder.hf.load import MODEL_TYPES

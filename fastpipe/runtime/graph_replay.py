@@ -30,6 +30,7 @@ class GraphReplay:
                  alias_outputs: bool = False, state: Mapping[str, str] | None = None):
         self.fn, self.device, self.policy, self.alias_outputs = fn, device, policy, alias_outputs
         self.state = dict(state or {})
+        self._state_outputs = frozenset(self.state.values())
         self.enabled = True
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -76,5 +77,6 @@ class GraphReplay:
         return self._outputs()
 
     def _outputs(self) -> dict:
-        out, state = self.static_out, set(self.state.values())
-        return dict(out) if self.alias_outputs else {n: t if n in state else t.clone() for n, t in out.items()}
+        out = self.static_out
+        return dict(out) if self.alias_outputs else {n: t if n in self._state_outputs else t.clone()
+                                                     for n, t in out.items()}

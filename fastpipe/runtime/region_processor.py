@@ -101,6 +101,7 @@ class RegionProcessor:
         self.passes = PassReport()
         self.rebound: list = []         # (shard tensor, the view of a merged weight that replaces it)
         self.state = dict(state or {})
+        self._state_outputs = frozenset(self.state.values())
         self.in_place = 0               # state updates written by an in-place op (the rest: a copy_ at the end)
         for r in program.regions:
             if r.device is None:
@@ -253,11 +254,10 @@ class RegionProcessor:
         """The outputs, dense, none of them the caller's input or another output: inside a region an
         all_reduce's members share one tensor and a broadcast is its input, but what the caller gets
         is theirs to keep and write (as from the reference processor)."""
-        state = set(self.state.values())
         seen = {t.data_ptr() for t in given if t.numel()}
         out = {}
         for n in self.outputs:
-            if n in state:                         # the input's own tensor, updated (run() writes it back if not)
+            if n in self._state_outputs:                         # the input's own tensor, updated (run() writes it back if not)
                 out[n] = env[n]
                 continue
             t = env[n].contiguous()                # a merged GEMM's column slice is not (the reference's are)
