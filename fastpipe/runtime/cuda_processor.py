@@ -1,20 +1,37 @@
-"""The CUDA processor: runs a bound Program with a stream per slot, events for cross-slot waits, whole-run CUDA-graph replay.
+"""The CUDA processor: runs a bound Program with a stream per slot, events for cross-slot waits,
+whole-run CUDA-graph replay.
 
-One host thread issues every slot's steps, in an order the checker proved deadlock-free
-(fastpipe.lower.simulate), onto the slot's own stream:
+One host thread issues the whole run, every micro-batch, onto the slots' streams
+(fastpipe.runtime.stream_issue: the order, the waits, the frees and the trace are decided there,
+the same code the CPU tests drive through its host backend):
+  * fork: every slot stream waits for the caller's current stream on every device involved;
+    join: the caller's current stream on every device waits for every slot stream;
   * compute step: runs on its slot's stream (several slots may share one GPU and overlap);
-  * comm group: the member streams join on the first member's stream (it waits for each
-    member's event), the plain-torch comm runs there (device copies / reductions; between GPUs
-    of one process, peer copies), and every member stream waits for its completion event;
-  * no host synchronisation inside a run; tensors used on another stream than the one that
-    made them are `record_stream`-ed so the caching allocator does not reuse them early.
-With cuda_graph=True the whole run is captured and replayed by fastpipe.runtime.graph_replay
-(as the region processor's is): the first call runs eagerly (warm-up: compiles, allocator
-settles), the second captures the whole run into one CUDA graph (side streams forked from
-and joined back to the capture stream), later calls copy the inputs into its static buffers
-and replay it. A capture failure follows the compile policy: "warn" continues eagerly with a
-warning naming the reason; "raise" raises CompileError. Outputs are cloned out of the
-graph's static buffers unless `alias_outputs=True`.
+  * comm group: runs once on its first member's stream, after every member's previous step
+    (events); the plain-torch comm runs there (device copies / reductions; between GPUs of one
+    process, peer copies); every other member stream waits for its completion event;
+  * chunks=k: the k micro-batches are issued in one pass (fastpipe.lower.simulate over the Program
+    unrolled k times), each with its own environment and no join between them, so stage s runs
+    micro-batch c+1 while stage s+1 runs micro-batch c (fill-drain);
+  * intermediates are dropped as the Program's `frees` say, right after their last step is issued;
+    tensors used on another stream than the one that made them are `record_stream`-ed so the
+    caching allocator does not reuse them early;
+  * no host synchronisation inside a run (a traced run synchronizes once, at its end, to read
+    its CUDA events); everything runs under torch.inference_mode.
+With cuda_graph=True (slots on one GPU) the whole run, all k micro-batches, is captured and
+replayed by fastpipe.runtime.graph_replay, one graph per number of chunks: the first call runs
+eagerly (warm-up: compiles, allocator settles), the second captures the whole run into one CUDA
+graph (side streams forked from and joined back to the capture stream), later calls copy the
+inputs into its static buffers and replay it. A capture failure follows the compile policy:
+"warn" continues eagerly with a warning naming the reason; "raise" raises CompileError. Outputs
+are cloned out of the graph's static buffers unless `alias_outputs=True`.
+
+A run with a trace is issued eagerly, not replayed: its steps are timed by CUDA events recorded
+between them on their streams, and a replayed graph has no such points to read (a one-time
+RuntimeWarning says so when a graph would otherwise have run).
+
+memory_report(): per device, the allocator's measured peak since construction (or
+reset_peak_memory()) next to the plan's predicted peak.
 """
 from __future__ import annotations
 
@@ -23,10 +40,10 @@ import warnings
 import torch
 
 from fastpipe.errors import InputError
-from fastpipe.lower.check import simulate
 from fastpipe.lower.program import Program
-from fastpipe.runtime.execute import call, group_where, step_args, step_where
 from fastpipe.runtime.graph_replay import GraphReplay
+from fastpipe.runtime.stream_issue import (CudaBackend, LaneRunner, flatten_chunks, format_memory_report,
+                                           planned_memory, unflatten_chunks)
 
 
 def check_cuda_devices(slot_devices) -> None:
@@ -45,86 +62,83 @@ class CudaProcessor:
         slot_devices = {slot: program.steps[slot][0].device for slot in program.slots if program.steps[slot]}
         check_cuda_devices(slot_devices)
         self.program = program
-        self.order = simulate(program)                       # (slot, index) in a deadlock-free issue order
-        self.streams = {slot: torch.cuda.Stream(device=dev) for slot, dev in slot_devices.items()}
-        self.input_devices = program.input_devices()
-        devices = set(slot_devices.values())
-        use_graph = cuda_graph and len(devices) == 1
-        if cuda_graph and len(devices) > 1:
+        self.slot_devices = slot_devices
+        self.runner = LaneRunner(program, CudaBackend(), slot_devices)
+        self.streams = self.runner.lanes                      # slot -> its torch.cuda.Stream
+        self.devices = tuple(self.runner.devices)
+        self.use_graph = cuda_graph and len(self.devices) == 1
+        if cuda_graph and len(self.devices) > 1:
             warnings.warn("fastpipe: CUDA-graph capture is per device; slots span "
-                          f"{len(devices)} GPUs, so this run is issued eagerly on streams", RuntimeWarning, stacklevel=3)
-        self.device = next(iter(devices))
-        self.replay = (GraphReplay(self._issue_all, self.device, policy=compile_policy, alias_outputs=alias_outputs)
-                       if use_graph else None)
+                          f"{len(self.devices)} GPUs, so this run is issued eagerly on streams", RuntimeWarning, stacklevel=3)
+        self.device = self.devices[0]
+        self.compile_policy, self.alias_outputs = compile_policy, alias_outputs
+        self.replays: dict[int, GraphReplay] = {}              # chunks -> the replay of a k-chunk run
+        self._warned_trace = False
+        self.reset_peak_memory()
+
+    @property
+    def replay(self) -> GraphReplay | None:
+        """The replay of one-chunk runs (None without graphs)."""
+        return self._replay(1) if self.use_graph else None
 
     @property
     def graph(self):
-        """The captured CUDA graph (None before the capture, or without one)."""
-        return None if self.replay is None else self.replay.graph
+        """The captured CUDA graph of one-chunk runs (None before the capture, or without one)."""
+        r = self.replays.get(1)
+        return None if r is None else r.graph
 
-    # ------------------------------------------------------------------ issue one run onto the streams
-    def _issue(self, env: dict) -> None:
-        done: dict[tuple[str, int], torch.cuda.Event] = {}
-        made_on: dict[str, torch.cuda.Stream] = {}
-        program = self.program
-        for slot, i in self.order:
-            st = program.steps[slot][i]
-            stream = self.streams[slot]
-            if st.kind == "comm":
-                members = program.groups[st.group]
-                if (members[0][0], members[0][1]) != (slot, i):
-                    continue                     # the group is issued once, at its first member
-                stream = self.streams[members[0][0]]
-                for ms, mi in members:           # join: every member's inputs are ready
-                    if mi > 0:
-                        stream.wait_event(done[(ms, mi - 1)])
-                steps = program.members(st.group)
-                writes = [n for m in steps for n in m.writes]
-                self._run_on(stream, steps, program.group_fns[st.group], writes, env, made_on,
-                             lambda g=st.group: group_where(program, g), f"fp:group:{st.group}")
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                for ms, mi in members:
-                    done[(ms, mi)] = ev
-                    self.streams[ms].wait_event(ev)
-                continue
-            for ws, wi in st.waits:
-                stream.wait_event(done[(ws, wi)])
-            self._run_on(stream, [st], st.fn, st.writes, env, made_on, lambda st=st: step_where(st), st.label)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            done[(slot, i)] = ev
+    def _replay(self, chunks: int) -> GraphReplay:
+        r = self.replays.get(chunks)
+        if r is None:
+            def whole_run(flat: dict, chunks=chunks) -> dict:
+                return flatten_chunks(self.runner.run(unflatten_chunks(flat, chunks)))
 
-    def _run_on(self, stream, steps, fn, writes, env, made_on, where, label: str) -> None:
-        with torch.cuda.stream(stream):
-            for st in steps:
-                for n in st.reads:
-                    if n in env and made_on.get(n, stream) is not stream:
-                        env[n].record_stream(stream)
-            args = [a for st in steps for a in step_args(st, env)]
-            outs = call(fn, args, len(writes), where, label)
-        for n, o in zip(writes, outs):
-            env[n] = o
-            made_on[n] = stream
+            r = self.replays[chunks] = GraphReplay(whole_run, self.device, policy=self.compile_policy,
+                                                   alias_outputs=self.alias_outputs)
+        return r
 
     # ------------------------------------------------------------------ public
     def run(self, inputs, *, chunks: int = 1, trace: list | None = None):
-        if chunks > 1:   # micro-batches issued back to back: the streams overlap them without host syncs
-            return [self.run(part)[0] for part in inputs]
-        return [self.replay(inputs) if self.replay is not None else self._issue_all(dict(inputs))]
+        """`inputs`: one dict of named tensors, or (chunks > 1) a list with one per micro-batch.
+        Returns a list with each micro-batch's outputs."""
+        parts = list(inputs) if chunks > 1 else [inputs]
+        if trace is not None or not self.use_graph:
+            if trace is not None and self.use_graph and not self._warned_trace:
+                self._warned_trace = True
+                warnings.warn("fastpipe: a traced run is issued eagerly on streams, not replayed as a CUDA graph "
+                              "(its steps are timed by CUDA events between them, which a replayed graph does not "
+                              "have); its times are those of eager issue", RuntimeWarning, stacklevel=3)
+            return self.runner.run(parts, trace=trace)
+        with torch.inference_mode():   # the replay's input copies and output clones too
+            return unflatten_chunks(self._replay(len(parts))(flatten_chunks(parts)), len(parts))
 
-    def _issue_all(self, inputs: dict) -> dict:
-        """One whole run: inputs onto their devices, every slot stream forked from the current stream
-        (under capture: the capture stream), the steps issued, the streams joined back."""
-        cur = torch.cuda.current_stream(self.device)
-        env = {n: t.to(self._input_device(n), non_blocking=True) for n, t in inputs.items()}
-        for st in self.streams.values():
-            st.wait_stream(cur)
-        self._issue(env)
-        for st in self.streams.values():
-            cur.wait_stream(st)
-        return {n: env[n] for n in self.program.outputs}
+    def chunk_order(self, chunks: int) -> list[tuple[str, int, int]]:
+        """(slot, step index, chunk) in the order a k-chunk run issues them."""
+        return self.runner.chunk_order(chunks)
 
-    def _input_device(self, name: str) -> torch.device:
-        devs = self.input_devices.get(name) or {self.device}
-        return next(iter(devs))
+    def describe(self) -> str:
+        """How it runs, in a few words (e.g. for Session.describe)."""
+        how = (f"replayed as one CUDA graph per chunk count on {self.device}" if self.use_graph
+               else "issued eagerly on streams")
+        return f"{len(self.streams)} streams on {', '.join(map(str, self.devices))}; {how}"
+
+    # ------------------------------------------------------------------ memory
+    def reset_peak_memory(self) -> None:
+        """Start measuring peak memory afresh on every device of this processor
+        (torch.cuda.reset_peak_memory_stats; it is the device's, shared with whatever else runs there)."""
+        for d in self.devices:
+            torch.cuda.reset_peak_memory_stats(d)
+
+    def memory_report(self) -> dict[str, dict]:
+        """Per device (str): {"slots", "measured_peak_bytes" (torch.cuda.max_memory_allocated since the
+        construction or reset_peak_memory(): every tensor of this process on that device counts, the
+        caller's inputs and a captured graph's pool included), "predicted_peak_bytes" (the plan: the
+        sum of program.peak_bytes, one micro-batch's intermediates, and constant_bytes of the slots
+        there), "activation_bytes", "constant_bytes"}. format_memory_report(report) prints it."""
+        report = planned_memory(self.program, self.slot_devices)
+        for d in self.devices:
+            report[str(d)]["measured_peak_bytes"] = torch.cuda.max_memory_allocated(d)
+        return report
+
+    def format_memory_report(self) -> list[str]:
+        return format_memory_report(self.memory_report())
