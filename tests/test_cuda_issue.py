@@ -5,6 +5,7 @@ run, traced runs eager) with CUDA stubbed out. The GPU half is tests/test_cuda_p
 import dataclasses
 import json
 import weakref
+from typing import ClassVar
 
 import pytest
 import torch
@@ -12,14 +13,62 @@ import torch
 import fastpipe
 from fastpipe.errors import RunError
 from fastpipe.runtime.microbatch import split_chunks
-from fastpipe.runtime.stream_issue import (HostBackend, LaneRunner, chunk_order, flatten_chunks, format_memory_report,
-                                           planned_memory, unflatten_chunks)
+from fastpipe.runtime.stream_issue import (
+    HostBackend,
+    LaneRunner,
+    chunk_order,
+    flatten_chunks,
+    format_memory_report,
+    planned_memory,
+    unflatten_chunks,
+)
 from tests.examples import EXAMPLES, GRAPHS
 from tests.test_processors import fresh_inputs
 
 
 def load_ref(name):
     return fastpipe.load(GRAPHS / name / "pipeline.json")
+
+
+def write_chain(folder, *, stages=3, steps=2, batch=8, d=16, dtype="f32", weights=True, seed=0):
+    """A pipeline-parallel chain (a pipeline in any dtype): stage s (slot s, npu:s) runs `steps` fx
+    steps h = tanh(h @ w) (weights=False: h = tanh(h) * 1.5 + 0.1, no constants), then sends h to
+    stage s+1; x comes in on stage 0, y goes out of the last. The weights (seeded, in the
+    pipeline's dtype) are the same for every dtype up to rounding: a f32 twin is the oracle."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from fastpipe import dtypes
+    from fastpipe.builder.assemble import Assembler
+
+    folder.mkdir(parents=True, exist_ok=True)
+    a = Assembler(f"chain_{dtype}")
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for s in range(stages):
+        a.slot(str(s), {"kind": "npu", "idx": s})
+    a.input("x", (batch, d), dtype)
+    h = "x"
+    for s in range(stages):
+        if s:
+            a.send_recv(f"p2p_{s}", str(s - 1), h, str(s), f"r{s}")
+            h = f"r{s}"
+        for k in range(steps):
+            out = f"h{s}_{k}" if (s, k) != (stages - 1, steps - 1) else "y"
+            if weights:
+                w = f"w{s}_{k}"
+                tensors[w] = (torch.randn(d, d, generator=g) / d ** 0.5).to(dtypes.to_torch(dtype))
+                a.constant(w, shape=(d, d), dtype=dtype, path="weights.safetensors", name_in_file=w)
+                a.fx(str(s), lambda x, w: torch.tanh(x @ w), [h, w], [out])
+            else:
+                a.fx(str(s), lambda x: torch.tanh(x) * 1.5 + 0.1, [h], [out])
+            h = out
+    a.output(["y"])
+    if tensors:
+        save_file(tensors, str(folder / "weights.safetensors"))
+    (folder / "pipeline.json").write_text(json.dumps(a.to_json()))
+    return folder / "pipeline.json"
 
 
 def chunked(sess, chunks, seed=0):
@@ -61,11 +110,11 @@ def test_lane_runner_equals_reference(name, chunks):
 
 
 # ---------------------------------------------------------------- frees
-@pytest.mark.parametrize("name", EXAMPLES)
-def test_intermediates_are_dropped_right_after_their_last_step_is_issued(name):
+@pytest.mark.parametrize("name", EXAMPLES + ["chain"])
+def test_intermediates_are_dropped_right_after_their_last_step_is_issued(name, tmp_path):
     """At each op, exactly the intermediates the Program says are alive (written, not yet freed, in
     that op's chunk) are alive; the rest are dead (weakrefs), long before the run ends."""
-    ref = load_ref(name)
+    ref = load_ref(name) if name != "chain" else fastpipe.load(write_chain(tmp_path, stages=4, steps=3))
     chunks = 2
     refs: dict[tuple[int, str], weakref.ref] = {}
     seen = []                                      # per op: the (chunk, name) alive when it started
@@ -109,6 +158,22 @@ def test_pipeline_outputs_are_never_freed():
     part = chunked(ref, 1)[0]
     out = LaneRunner(program, HostBackend(), one_device(program)).run([part])[0]
     torch.testing.assert_close(out["y"], ref.run(part)["y"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", [("bf16", 3e-2), ("f16", 5e-3)])
+def test_chain_in_a_narrow_dtype_is_close_to_its_f32_twin(tmp_path, dtype, tol):
+    """The GPU test's bf16/f16 pipelines, checked here on CPU: the narrow chain through the lane
+    runner, in chunks, against the reference on the f32 twin (same weights, up to rounding)."""
+    narrow = fastpipe.load(write_chain(tmp_path / dtype, dtype=dtype))
+    ref = fastpipe.load(write_chain(tmp_path / "f32"))
+    runner = LaneRunner(narrow.program, HostBackend(), one_device(narrow.program))
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)).to(narrow.program.steps["0"][0].constants["w0_0"].dtype)
+    outs = runner.run([{"x": x[:8]}, {"x": x[8:]}])
+    assert outs[0]["y"].dtype == x.dtype
+    got = torch.cat([o["y"] for o in outs]).float()
+    want = torch.cat([ref.run({"x": x[:8].float()})["y"], ref.run({"x": x[8:].float()})["y"]])
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert not torch.equal(got, want)                                # it did run in the narrow dtype
 
 
 # ---------------------------------------------------------------- the k-chunk schedule
@@ -291,7 +356,7 @@ def test_trace_has_every_step_of_every_chunk_with_its_lane():
     assert sorted((s, lbl, c) for s, lbl, _, _, c in trace) == sorted((s, lbl, c) for s, lbl in steps for c in (0, 1))
     assert all(0 <= t0 <= t1 for _, _, t0, t1, _ in trace)
     # a group's members share its time
-    for g, members in ref.program.groups.items():
+    for members in ref.program.groups.values():
         for c in (0, 1):
             labels = {ref.program.steps[s][i].label for s, i in members}
             assert len({(t0, t1) for s, lbl, t0, t1, cc in trace if lbl in labels and cc == c}) == 1
@@ -319,13 +384,13 @@ def test_planned_memory_and_its_report():
     assert format_memory_report(two) == ["cuda:0 (slot 0): plan 69.5KiB (intermediates 4.0KiB + constants 65.5KiB)",
                                          "cuda:1 (slot 1): plan 69.0KiB (intermediates 4.0KiB + constants 65.0KiB)"]
     one["cuda:0"]["measured_peak_bytes"] = 2 * one["cuda:0"]["predicted_peak_bytes"]
-    assert format_memory_report(one) == ["cuda:0 (slots 0, 1): measured peak 277.0KiB; plan 138.5KiB "
-                                         "(intermediates 8.0KiB + constants 130.5KiB); 2.00x"]
+    assert format_memory_report(one) == [("cuda:0 (slots 0, 1): measured peak 277.0KiB; plan 138.5KiB "
+                                          "(intermediates 8.0KiB + constants 130.5KiB); 2.00x")]
 
 
 # ---------------------------------------------------------------- the CudaProcessor's glue, CUDA stubbed out
 class FakeReplay:
-    made: list = []
+    made: ClassVar[list] = []
 
     def __init__(self, fn, device, *, policy="warn", alias_outputs=False, state=None):
         self.fn, self.device, self.calls, self.graph = fn, device, [], None

@@ -42,8 +42,14 @@ import torch
 from fastpipe.errors import InputError
 from fastpipe.lower.program import Program
 from fastpipe.runtime.graph_replay import GraphReplay
-from fastpipe.runtime.stream_issue import (CudaBackend, LaneRunner, flatten_chunks, format_memory_report,
-                                           planned_memory, unflatten_chunks)
+from fastpipe.runtime.stream_issue import (
+    CudaBackend,
+    LaneRunner,
+    flatten_chunks,
+    format_memory_report,
+    planned_memory,
+    unflatten_chunks,
+)
 
 
 def check_cuda_devices(slot_devices) -> None:

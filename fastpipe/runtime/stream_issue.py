@@ -94,7 +94,7 @@ def _ops(program: Program, lane_devices: Mapping[str, Any]) -> dict[tuple[str, i
     def reads(st: Step):
         dev = lane_devices[st.slot]
         return tuple((n, "const" if n in st.constants else "input" if n in inputs else "env",
-                      st.constants[n] if n in st.constants else dev) for n in st.reads)
+                      st.constants.get(n, dev)) for n in st.reads)
 
     for slot in program.slots:
         for i, st in enumerate(program.steps[slot]):
@@ -269,7 +269,7 @@ class LaneRunner:
         callers = {d: b.caller(d) for d in self.devices}
         placed = [{(n, d): b.place(t, d) for n, t in part.items() for d in self.input_devices.get(n, ())}
                   for part in parts]
-        envs = [dict() for _ in parts]
+        envs: list[dict] = [{} for _ in parts]
         for part, env in zip(parts, envs):
             for n in program.outputs:                 # an input handed straight out as an output
                 if n in part:
@@ -312,7 +312,7 @@ class LaneRunner:
                 for d in self.devices:
                     for lane in lanes.values():
                         b.join(callers[d], lane)
-            except Exception:  # noqa: BLE001 - a failed run's own error is the one to report
+            except Exception:                 # a failed run's own error is the one to report
                 if ok:
                     raise
         outs = []
