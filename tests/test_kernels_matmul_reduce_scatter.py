@@ -314,11 +314,58 @@ def test_kernel_config_validation():
         KernelConfig(32, 48, 32)
 
 
-def test_fused_is_faster_placeholder_rule():
+def test_fused_is_faster_unmeasured_rule():
     assert not fused_is_faster(16, 4096, 8192, 2, torch.bfloat16)
     assert not fused_is_faster(1023, 4096, 8192, 2, torch.bfloat16)
     assert fused_is_faster(1024, 4096, 8192, 2, torch.bfloat16)
     assert not fused_is_faster(8192, 4096, 4096, 1, torch.bfloat16)  # nothing to reduce
+
+
+def test_interpreter_compat_fixes_only_a_broken_interpreter(monkeypatch):
+    """Triton <= 3.6's interpreter converts its 1-element scalars with int(array), which numpy >= 2.4
+    refuses: _triton_compat installs Triton 3.8's fix there (restored with the interpreter's own
+    patches), and leaves a fixed interpreter, or a numpy that still converts, alone."""
+    import numpy as np
+
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    from fastpipe.kernels import _triton_compat
+
+    class Scope:
+        def __init__(self):
+            self.changes = []
+
+        def set_attr(self, obj, name, value):
+            self.changes.append((obj, name, getattr(obj, name, None)))
+            setattr(obj, name, value)
+
+    def broken(tensor, scope):
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    class Handle:
+        def __init__(self, data):
+            self.data = data
+
+    class T:
+        def __init__(self, v):
+            self.handle = Handle(np.array([v], dtype=np.int32))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", broken)
+    monkeypatch.setattr(_triton_compat, "_numpy_refuses_1d_int", lambda: False)
+    assert not _triton_compat.apply() and interpreter._patch_lang_tensor is broken   # numpy still converts
+    monkeypatch.setattr(_triton_compat, "_numpy_refuses_1d_int", lambda: True)
+    assert _triton_compat.apply()
+    assert not _triton_compat.apply()                                                  # once
+    scope = Scope()
+    interpreter._patch_lang_tensor(T, scope)
+    assert range(0, T(3)) == range(3)                       # __index__ of a 1-element array
+    assert [name for _, name, _ in scope.changes] == ["__index__", "__index__"]       # restorable
+    del T.__index__
+
+    def fixed(tensor, scope):
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", fixed)
+    assert not _triton_compat.apply() and interpreter._patch_lang_tensor is fixed     # Triton >= 3.8
 
 
 # ---------------------------------------------------------------------------

@@ -20,13 +20,16 @@ Fused matmul + collective kernels (tensor parallelism's row- and column-parallel
 * ``all_gather_matmul(a, b, dim=0)`` -- cat(a; dim) @ b[j] for each j, reading each tile's
   rows (dim 0) or K-slices (dim 1) straight from the shard that holds them;
   ``all_gather_matmul_reference`` and ``all_gather_matmul_overlapped`` likewise.
-* ``fused_is_faster(M, N, K_total, n, dtype)`` -- when to use the fused kernel (a
-  documented placeholder rule until GPU measurements replace it); ``pick_config`` and
-  ``KernelConfig`` -- the launchers' block-size heuristic and its override.
+* ``fused_is_faster(M, N, K_total, n, dtype)`` -- when to use the fused kernel (an
+  unmeasured rule, M >= 1024, until ``bench/bench_fused_kernels.py --threshold`` on GPU
+  results replaces it; its docstring says how); ``pick_config`` and ``KernelConfig`` --
+  the launchers' block-size heuristic and its override.
 
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors; that is how the tests run
 without a GPU. Set it before triton is first imported (Triton's own library functions,
 ``tl.zeros`` and the like, are defined then), i.e. before these kernel modules load.
+``_triton_compat`` fixes the interpreter of Triton <= 3.6 for numpy >= 2.4 (loop bounds
+given at run time), on import of the kernels.
 """
 from __future__ import annotations
 
