@@ -82,3 +82,175 @@ def test_builder_sequence_parallel_pipeline(tmp_path, family):
     path2 = build_hf(folder, tp=2, batch=2, seq_len=8, sequence_parallel=True).save(tmp_path / "out2")
     reasons = {d.reason for d in fastpipe.load(path2, fuse="always").fusion if not d.fused}
     assert any("neither the matmul's rows nor its" in r for r in reasons)
+
+
+# ---------------------------------------------------------------------------- hand-made pipelines
+from tests.fusion_pipelines import random_inputs, sp_block  # noqa: E402
+
+
+def _equal_to_unfused(path, fused, seeds=(1, 2), **load):
+    plain = fastpipe.load(path, fuse="off", **load)
+    for seed in seeds:
+        ins = random_inputs(plain, seed)
+        a, b = plain.run(ins), fused.run(ins)
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("view, dim, fused", [
+    (None, 0, True),                 # [S, D]: row chunks
+    ((8, 2, 8), 1, True),            # [S, heads, hd] split along heads: whole column blocks
+    ((16, 8), 0, True),              # [2S, D/2] split along rows: whole row blocks
+    ((8, 2, 8), 2, False),           # split along hd with 2 heads: the chunks interleave the heads
+    ((2, 4, 16), 1, False),          # split inside the rows, with a leading dim > 1
+])
+def test_reduce_scatter_view_is_fused_only_where_it_maps_onto_the_matmul(tmp_path, view, dim, fused):
+    path = sp_block(tmp_path, rs_view=view, rs_dim=dim)
+    sess = fastpipe.load(path, fuse="always")
+    d = {d.group: d for d in sess.fusion}["rs0"]
+    assert d.fused is fused, d.reason
+    if not fused:
+        assert d.reason.startswith(f"the scatter dim {dim} of {list(view)} is neither the matmul's rows nor its columns")
+        assert "[8, 16] matmul result" in d.reason
+    _equal_to_unfused(path, sess)
+
+
+@pytest.mark.parametrize("view, dim, fused", [
+    (None, 0, True),                 # [S, D] gathered along rows
+    ((8, 2, 8), 1, True),            # [S, heads, hd] gathered along heads: K-slices of the operand
+    ((8, 2, 8), 2, False),           # gathered along hd with 2 heads: not K-slices
+    ((2, 4, 16), 1, False),          # gathered inside the rows, with a leading dim > 1
+])
+def test_all_gather_view_is_fused_only_where_it_maps_onto_the_matmul(tmp_path, view, dim, fused):
+    path = sp_block(tmp_path, ag_view=view, ag_dim=dim)
+    sess = fastpipe.load(path, fuse="always")
+    d = {d.group: d for d in sess.fusion}["ag0"]
+    assert d.fused is fused, d.reason
+    if not fused:
+        assert d.reason.startswith(f"the gather dim {dim} of {list(view)} is neither the matmul's rows nor its K")
+    _equal_to_unfused(path, sess)
+
+
+@pytest.mark.parametrize("policy", ["auto", "always", "off"])
+@pytest.mark.parametrize("side_blob", [False, True])
+def test_fusion_without_checked_payloads(tmp_path, policy, side_blob):
+    """check_payloads=False leaves the decoded graphs out of the checked pipeline: the pass decodes
+    the payloads it needs itself (safely: decode_payload), with the same decisions and results."""
+    import json
+
+    from fastpipe.options import LoadOptions
+
+    path = sp_block(tmp_path)
+    if side_blob:          # the saved-artifact form: the payload in block.fx beside pipeline.json
+        doc = json.loads(path.read_text())
+        (tmp_path / "block.fx").write_text(doc["blobs"]["block"])
+        doc["blobs"]["block"] = None
+        path.write_text(json.dumps(doc))
+    unchecked = fastpipe.load(path, fuse=policy, load_options=LoadOptions(check_payloads=False))
+    checked = fastpipe.load(path, fuse=policy)
+    assert [(d.group, d.fused, d.reason) for d in unchecked.fusion] == [
+        (d.group, d.fused, d.reason) for d in checked.fusion]
+    assert {d.group for d in unchecked.fusion} == {"ag0", "rs0"}
+    assert all(d.fused for d in unchecked.fusion) is (policy == "always")
+    _equal_to_unfused(path, unchecked, seeds=(3,))
+
+
+def _tensors_of(gm):
+    """Every tensor a graph module holds (its buffers, parameters and plain tensor attributes)."""
+    out = dict(gm.named_buffers())
+    out.update(dict(gm.named_parameters()))
+    out.update({k: v for k, v in vars(gm).items() if isinstance(v, torch.Tensor)})
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            out[n.target] = getattr(gm, n.target)
+    return out
+
+
+def test_fused_steps_keep_their_constants_on_the_step_device(tmp_path):
+    """bind puts each compute step's graph (its get_attr buffers) on the slot's device; the graphs the
+    fusion pass rewrites must be there too, and so must the all_gather->matmul weights the fused
+    group uses. The "meta" device stands in for a GPU here; the decoded graphs stay on the CPU."""
+    from fastpipe.lower import lower
+    from fastpipe.runtime import fuse
+    from fastpipe.runtime.bind import Binder, bind
+
+    path = sp_block(tmp_path)
+    sess = fastpipe.load(path, fuse="off")
+    meta = {s: torch.device("meta") for s in sess.slot_devices}
+    binder = Binder(sess.pipeline, sess.options, sess.store, meta)
+    program = bind(lower(sess.checked), sess.checked, binder)
+    decisions = fuse.analyze(sess.checked, meta, "always")
+    assert all(d.fused for d in decisions)
+    program = fuse.apply(program, decisions, sess.checked, binder)
+    fx_steps = [st for ss in program.steps.values() for st in ss if st.kind == "compute"]
+    assert len(fx_steps) == 2
+    for st in fx_steps:
+        held = _tensors_of(st.graph)
+        assert held, "expected the embedded constant as a buffer of the rewritten graph"
+        assert {k: v.device.type for k, v in held.items()} == {k: "meta" for k in held}
+        assert "fused_matmul_out" in st.graph.code          # it is the rewritten graph
+        decoded = sess.checked.graphs[st.supertask].gm
+        assert {v.device.type for v in _tensors_of(decoded).values()} == {"cpu"}   # not moved in place
+    weights = program.group_fns["ag0"].weights
+    assert len(weights) == 2 and {w.device.type for w in weights} == {"meta"}
+
+
+def test_members_on_several_devices_are_not_fused_even_when_forced(tmp_path):
+    """The fused kernels take every participant's tensors on one device: 'always' leaves a group whose
+    members sit on two devices unfused, with the reason, instead of failing at run time."""
+    from fastpipe.runtime import fuse
+
+    sess = fastpipe.load(sp_block(tmp_path), fuse="off")
+    devices = {"0": torch.device("cpu"), "1": torch.device("meta")}
+    reasons = {d.group: (d.fused, d.reason) for d in fuse.analyze(sess.checked, devices, "always")}
+    assert reasons == {g: (False, "members on cpu, meta: the fused kernels run on one device") for g in ("ag0", "rs0")}
+
+
+def test_placing_a_rewritten_graph_moves_a_copy(tmp_path):
+    """The fallback of the placement: a graph still holding CPU tensors is moved on a deep copy, so the
+    decoded graph it shares them with stays where it was."""
+    import torch.fx as fx
+
+    from fastpipe.runtime.fuse import _placed_graph
+
+    root = torch.nn.Module()
+    root.register_buffer("c", torch.ones(3))
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.ops.aten.mul.Tensor, (x, g.get_attr("c"))))
+    gm = fx.GraphModule(root, g)
+    moved = _placed_graph(gm, torch.device("meta"))
+    assert moved is not gm and moved.c.device.type == "meta"
+    assert gm.c.device.type == "cpu" and root.c.device.type == "cpu"
+    assert _placed_graph(gm, torch.device("cpu")) is gm
+
+
+def test_shapes_of_a_graph_with_unbound_external_constants():
+    """A payload decoded by the pass itself (check_payloads=False) still has its external constants as
+    meta placeholders: the shape annotation fakes them from their shape and dtype."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import base64
+    import json
+
+    import safetensors.torch
+
+    from fastpipe.payload import decode_payload, encode_payload, unbound_external
+    from fastpipe.runtime.fuse import _annotate
+
+    c = torch.arange(8.0)
+    gm = make_fx(lambda x: (x * c) @ torch.ones(8, 4))(torch.zeros(2, 8))
+    attr = next(n.target for n in gm.graph.nodes if n.op == "get_attr")
+    doc = json.loads(base64.b64decode(encode_payload(gm, [torch.zeros(2, 8)])))
+    info = doc["metadata"]["constant_saved_info"]          # the constant moves to a file of its own
+    blob = safetensors.torch.load(base64.b64decode(info["blob"]))
+    del blob[attr]
+    info["blob"] = base64.b64encode(safetensors.torch.save(blob)).decode()
+    info["param_files"]["owned"] = {"path": "/m/c.safetensors", "format": "safetensors"}
+    info["tensor_to_saved_file_id_and_saved_name"][attr] = ["owned", "saved." + attr]
+    decoded = decode_payload(base64.b64encode(json.dumps(doc).encode()).decode(), where="test")
+    assert unbound_external(decoded) == [attr]
+    _annotate(decoded)
+    mm = next(n for n in decoded.gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    assert tuple(mm.meta["val"].shape) == (2, 4)

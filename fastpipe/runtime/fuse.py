@@ -11,20 +11,32 @@ Patterns (every member of the group must match):
                              aten.addmm(bias, y, b) (through views), b being a constant (or a
                              transpose of one). The group's step runs all_gather_matmul([x_i], [b_j])
                              and the supertask starts after the matmul (adding the bias, if any).
-The scatter/gather dim must be the matmul's rows (all dims before it of size 1) or its columns
-(the last dim). The pass rewrites the bound Program before the checker runs: the fused
+The scatter/gather tensor is a row-major view of the matmul's [M, N] result (or [M, K] operand),
+and its chunks along the dim must be whole blocks of the matmul: row blocks (every dim before it
+of size 1, M divisible by n) or column blocks (the dims from it on span exactly the N (K)
+columns). Any other view (a [.., heads, hd] view of N = heads*hd split along hd, say) is refused
+with the reason. The pass rewrites the bound Program before the checker runs: the fused
 supertasks' steps get new graphs, reads and writes (`x#a`, `x#b`: the matmul's operands; `y#mm`:
 the gathered product), the groups' callables become the kernels, and frees follow the renamed
 tensors, so the checker proves the Program that really runs. Slots, steps and waits do not
 change.
 
+The rewritten graphs live on their step's device: they take their constants (get_attr buffers)
+from the bound step's graph (fastpipe.runtime.bind placed it there), never from the decoded CPU
+graph; an all_gather->matmul group's weights are moved to the group's device.
+
 Policy: "off"; "auto" (default): fuse when every member is on one CUDA device and the shape is
-above the measured threshold (fastpipe.kernels.fused_is_faster); "always": fuse every match
-(on CPU the Triton kernels need TRITON_INTERPRET=1 - tests use that). Every group that could be
-fused gets a decision with its reason (Session.fusion, `fastpipe show --plan`).
+above the threshold (fastpipe.kernels.fused_is_faster); "always": fuse every match whose members
+share one device (on CPU the Triton kernels need TRITON_INTERPRET=1 - tests use that). Every
+group that could be fused gets a decision with its reason (Session.fusion, `fastpipe show --plan`).
+
+Loading with check_payloads=False leaves checked.graphs empty: analyze then decodes the payloads
+it needs itself, through fastpipe.payload.decode_payload (nothing from the file executes), once
+per distinct payload.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -69,12 +81,23 @@ def _chain_to_mm(node: fx.Node):
     return None
 
 
-def _kernel_dim(shape: tuple[int, ...], dim: int) -> int | None:
-    """Map a scatter/gather dim of the (viewed) tensor onto the 2-D matmul: 0 rows, 1 columns."""
-    if dim == len(shape) - 1:
-        return 1
-    if math.prod(shape[:dim]) == 1:
+def _kernel_dim(shape: tuple[int, ...], dim: int, rows: int, cols: int, n: int) -> int | None:
+    """Map the scatter/gather dim of `shape`, a row-major view of a [rows, cols] matrix, onto the
+    matrix: 0 when chunk j (of n) along dim is exactly row block j, 1 when it is exactly column
+    block j, None when it is neither (then no 2-D kernel can produce the chunks).
+
+    Rows: the dims before `dim` have size 1, so chunk j is the j-th contiguous n-th of the memory,
+    which is row block j iff n divides `rows`. Columns: the dims from `dim` on span one matrix row
+    (their product is `cols`), so for each matrix row chunk j takes the j-th n-th of it, which is
+    column block j. A [.., heads, hd] view of cols = heads*hd split along hd (heads > 1) is neither:
+    its chunks interleave the heads."""
+    dim = dim % len(shape)
+    if math.prod(shape) != rows * cols or shape[dim] % n:
+        return None
+    if math.prod(shape[:dim]) == 1 and rows % n == 0:
         return 0
+    if math.prod(shape[dim:]) == cols and cols % n == 0:
+        return 1
     return None
 
 
@@ -82,12 +105,45 @@ def _meta_shape(p, name: str) -> tuple[int, ...]:
     return tuple(p.tensors[name].shape)
 
 
-def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list[Decision]:
-    """A decision for every reduce_scatter / all_gather group (checked.graphs must hold the decoded graphs).
+class _Graphs:
+    """supertask id -> DecodedGraph: checked.graphs where payloads were checked at load, else the
+    payload decoded here on first use (fastpipe.payload.decode_payload: data only, nothing from
+    the file executes), once per distinct payload text."""
+
+    def __init__(self, checked, options):
+        from fastpipe.options import LoadOptions
+
+        self.p, self.known = checked.pipeline, checked.graphs or {}
+        self.options = options or LoadOptions()
+        self._by_sid: dict = {}
+        self._by_text: dict = {}
+
+    def __getitem__(self, sid: str):
+        if sid in self.known:
+            return self.known[sid]
+        if sid not in self._by_sid:
+            from fastpipe.payload import decode_payload
+            from fastpipe.validate.sources import payload_text
+
+            text, where = payload_text(self.p, sid, self.options)
+            if text not in self._by_text:
+                self._by_text[text] = decode_payload(text, where=where)
+            self._by_sid[sid] = self._by_text[text]
+        return self._by_sid[sid]
+
+
+def analyze(checked, slot_devices, policy: str, *, region: bool = False, options=None) -> list[Decision]:
+    """A decision for every reduce_scatter / all_gather group.
+
+    The graphs come from checked.graphs; where payloads were not checked at load (LoadOptions
+    check_payloads=False) the ones a candidate needs are decoded here, `options` (the session's
+    LoadOptions; default LoadOptions()) giving the path rules for payloads in side files.
     `region`: the region processor runs the Program (policy "auto" then leaves the group to the
     compiler, which sees the matmul and the comm as one graph)."""
+    from fastpipe.errors import FastpipeError
+
     p = checked.pipeline
-    graphs = checked.graphs or {}
+    graphs = _Graphs(checked, options)
     flow = checked.flow
     out: list[Decision] = []
     for gname, g in checked.groups.items():
@@ -97,17 +153,24 @@ def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list
         pattern = "matmul->reduce_scatter" if g.kind == "reduce_scatter" else "all_gather->matmul"
         d = Decision(gname, pattern, False, "", tuple(g.members))
         out.append(d)
-        reason = _match(p, flow, graphs, g, members, d)
+        try:
+            reason = _match(p, flow, graphs, g, members, d)
+        except FastpipeError as e:     # a payload not readable with these options (bind read it with its own)
+            d.plan.clear()
+            reason = f"a payload it needs could not be decoded here: {e}"
         if reason:
             d.reason = reason
             continue
         devices = {slot_devices[m.device] for m in members}
         if policy == "off":
             d.reason = "fusion is off"
-        elif policy == "auto" and region and len(devices) == 1:
+        elif len(devices) != 1:
+            d.reason = ("members on " + ", ".join(sorted(str(x) for x in devices)) +
+                        ": the fused kernels run on one device")
+        elif policy == "auto" and region:
             d.reason = ("the region processor compiles the matmul and the comm as one graph on one device "
                         "(fuse='always' forces the kernels)")
-        elif policy == "auto" and (len(devices) != 1 or next(iter(devices)).type != "cuda"):
+        elif policy == "auto" and next(iter(devices)).type != "cuda":
             d.reason = ("members on " + ", ".join(sorted(str(x) for x in devices)) +
                         ": the fused kernels run on one CUDA device (fuse='always' forces them)")
         elif policy == "auto" and not _big_enough(d, p):
@@ -119,16 +182,18 @@ def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list
 
 
 def _big_enough(d: Decision, p) -> bool:
+    from fastpipe import dtypes
     from fastpipe.kernels import fused_is_faster
 
     m = d.plan[0]
     M, K = m["a_shape"]
     N = m["b_shape"][1]
     k_total = K * (len(d.plan) if d.pattern == "matmul->reduce_scatter" else 1)
-    return fused_is_faster(M, N, k_total, len(d.plan), m["dtype"])
+    return fused_is_faster(M, N, k_total, len(d.plan), dtypes.to_torch(m["dtype"]))
 
 
 def _match(p, flow, graphs, g, members, d: Decision) -> str:
+    n = len(members)
     for rank, st in enumerate(members):
         if g.kind == "reduce_scatter":
             x = st.inputs[0]
@@ -138,31 +203,38 @@ def _match(p, flow, graphs, g, members, d: Decision) -> str:
             if flow.consumers.get(x) != [g.members[rank]]:
                 return f"\"{x}\" is also consumed elsewhere, so the matmul's result must exist"
             sid = prods[0]
-            _annotate(graphs[sid])
-            gm = graphs[sid].gm
+            dg = graphs[sid]
+            _annotate(dg)
+            gm = dg.gm
             k = p.supertasks[sid].outputs.index(x)
             found = _chain_to_mm(_output_nodes(gm)[k])
             if found is None:
                 return f"supertask \"{sid}\" does not end in a matmul (aten.mm, through views) for \"{x}\""
             mm, chain = found
-            kd = _kernel_dim(_meta_shape(p, x), g.params["dim"])
+            a_shape, b_shape = _shape2(mm.args[0], dg, p, sid), _shape2(mm.args[1], dg, p, sid)
+            M, N = a_shape[0], b_shape[1]
+            shape, dim = _meta_shape(p, x), g.params["dim"]
+            kd = _kernel_dim(shape, dim, M, N, n)
             if kd is None:
-                return f"the scatter dim {g.params['dim']} of {list(_meta_shape(p, x))} is neither the matmul's rows nor its columns"
+                return (f"the scatter dim {dim} of {list(shape)} is neither the matmul's rows nor its columns: "
+                        f"its {n} chunks of the [{M}, {N}] matmul result are not whole row blocks (every dim "
+                        f"before it of size 1, {M} rows divisible by {n}) nor whole column blocks (the dims "
+                        f"from it on spanning the {N} columns)")
             if g.params["reduce_op"] not in ("sum", "avg"):
                 return f"reduce_op {g.params['reduce_op']} cannot be fused into a matmul"
-            d.plan.append({"sid": sid, "out_index": k, "mm": mm, "chain": chain, "dim": kd, "x": x,
-                           "y": st.outputs[0], "a_shape": _shape2(mm.args[0], graphs[sid], p, sid),
-                           "b_shape": _shape2(mm.args[1], graphs[sid], p, sid), "dtype": p.tensors[x].dtype})
+            d.plan.append({"sid": sid, "graph": dg, "out_index": k, "mm": mm, "chain": chain, "dim": kd, "x": x,
+                           "y": st.outputs[0], "a_shape": a_shape, "b_shape": b_shape, "dtype": p.tensors[x].dtype})
         else:
             y = st.outputs[0]
             cons = flow.consumers.get(y, [])
             if len(cons) != 1 or p.supertasks[cons[0]].kind != "fx":
                 return f"\"{y}\" is not consumed by exactly one fx supertask"
             sid = cons[0]
-            _annotate(graphs[sid])
-            gm = graphs[sid].gm
+            dg = graphs[sid]
+            _annotate(dg)
+            gm = dg.gm
             idx = p.supertasks[sid].inputs.index(y)
-            ph = [n for n in gm.graph.nodes if n.op == "placeholder"][idx]
+            ph = [n_ for n_ in gm.graph.nodes if n_.op == "placeholder"][idx]
             node, chain = ph, []
             while len(node.users) == 1 and next(iter(node.users)).target in VIEWS:
                 node = next(iter(node.users))
@@ -176,28 +248,39 @@ def _match(p, flow, graphs, g, members, d: Decision) -> str:
             b = _constant_operand(mm.args[2 if is_addmm else 1], gm, p, sid)
             if b is None:
                 return f"the matmul's second operand in supertask \"{sid}\" is not a constant (or its transpose)"
-            kd = _kernel_dim(_meta_shape(p, y), g.params["dim"])
+            a_shape = _shape2(node, dg, p, sid)
+            M, K = a_shape
+            shape, dim = _meta_shape(p, y), g.params["dim"]
+            kd = _kernel_dim(shape, dim, M, K, n)
             if kd is None:
-                return f"the gather dim {g.params['dim']} of {list(_meta_shape(p, y))} is neither the matmul's rows nor its K"
-            d.plan.append({"sid": sid, "in_index": idx, "mm": mm, "chain": chain, "dim": kd, "x": st.inputs[0], "y": y,
-                           "b": b, "a_shape": _shape2(mm.args[1] if is_addmm else mm.args[0], graphs[sid], p, sid),
+                return (f"the gather dim {dim} of {list(shape)} is neither the matmul's rows nor its K: "
+                        f"its {n} shards of the matmul's [{M}, {K}] operand are not whole row blocks (every dim "
+                        f"before it of size 1, {M} rows divisible by {n}) nor whole column blocks (the dims "
+                        f"from it on spanning the {K} columns)")
+            shard = (M // n, K) if kd == 0 else (M, K // n)
+            d.plan.append({"sid": sid, "graph": dg, "in_index": idx, "mm": mm, "chain": chain, "dim": kd,
+                           "x": st.inputs[0], "y": y, "b": b, "a_shape": a_shape, "shard_shape": shard,
                            "b_shape": b[2], "dtype": p.tensors[y].dtype})
     return ""
 
 
 def _annotate(g) -> None:
-    """Give every node of a decoded graph its fake value (meta["val"]), once."""
+    """Give every node of a decoded graph its fake value (meta["val"]), once. Constants are faked
+    from their shape and dtype (fastpipe.payload.fake.run_fake), so a graph whose external
+    constants are not bound yet (decoded here, check_payloads=False) works too."""
     gm = g.gm
     if getattr(gm, "_fastpipe_annotated", False):
         return
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from fastpipe.errors import PayloadError
+    from fastpipe.payload.fake import FakeRunError, run_fake
 
-    from fastpipe.torch_compat import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        fakes = [torch.empty(m.shape, dtype=m.dtype) for m in g.input_metas]
-    FakeTensorProp(gm, mode).propagate(*fakes)
+    cpu = torch.device("cpu")
+    try:
+        _, values = run_fake(gm, [(tuple(m.shape), m.dtype, None, cpu) for m in g.input_metas], constant_device=cpu)
+    except FakeRunError as err:
+        raise PayloadError(f"{g.where}: shape propagation failed at {err.node}: {err.cause}") from None
+    for node, value in values.items():
+        node.meta["val"] = value
     gm._fastpipe_annotated = True
 
 
@@ -234,13 +317,15 @@ def _constant_operand(node, gm, p, sid):
 
 
 # ---------------------------------------------------------------------------- rewriting the steps
-def _rewrite_graph(gm: fx.GraphModule, *, suffix=None, prefix=None) -> fx.GraphModule:
+def _rewrite_graph(gm: fx.GraphModule, *, suffix=None, prefix=None, root=None) -> fx.GraphModule:
     """One supertask's graph with its fused ends removed (both may apply to one supertask).
 
     suffix=(in_index, mm): placeholder `in_index` (the gathered input) and its views are dropped;
         the matmul's result becomes a new last placeholder (plus the bias, for addmm).
     prefix=(out_index, mm): output `out_index` (the matmul's result) is dropped and the matmul's
         operands are appended to the outputs.
+    root: the module the new graph's get_attr targets are taken from (default `gm`): the bound
+        step's graph, whose constants are on the step's device (same payload, same attribute names).
     """
     g = fx.Graph()
     env: dict = {}
@@ -273,7 +358,7 @@ def _rewrite_graph(gm: fx.GraphModule, *, suffix=None, prefix=None) -> fx.GraphM
         except KeyError:      # depends on the dropped gathered input (its views, the matmul): not needed
             continue
     g.eliminate_dead_code()
-    return fx.GraphModule(gm, g)
+    return fx.GraphModule(gm if root is None else root, g)
 
 
 def _graph_fn(gm: fx.GraphModule, binder, sid: str, device):
@@ -293,13 +378,31 @@ def _renamed(names: tuple[str, ...], old: str, new: tuple[str, ...]) -> tuple[st
     return tuple(x for n in names for x in ((*new,) if n == old else (n,)))
 
 
+def _on_device(gm: fx.GraphModule, device) -> bool:
+    if device is None:
+        return True
+    tensors = list(gm.parameters()) + list(gm.buffers())
+    tensors += [v for v in vars(gm).values() if isinstance(v, torch.Tensor)]
+    return all(t.device == device for t in tensors)
+
+
+def _placed_graph(gm: fx.GraphModule, device) -> fx.GraphModule:
+    """The rewritten graph with its constants on the step's device. Its root was the bound step's
+    graph (fastpipe.runtime.bind put that on the device), so this is normally `gm` itself; anything
+    still elsewhere is moved on a deep copy, as bind does: `.to()` on the graph itself would move
+    the tensors it shares with the decoded graph."""
+    if not _on_device(gm, device):
+        gm = copy.deepcopy(gm).to(device)
+    gm.eval()
+    return gm
+
+
 def apply(program, decisions: list[Decision], checked, binder):
     """The bound Program with every fused decision applied (see the module docstring)."""
     import dataclasses
 
     from fastpipe import kernels
 
-    p, graphs = checked.pipeline, checked.graphs
     steps = {slot: list(ss) for slot, ss in program.steps.items()}
     at = {st.supertask: (slot, i) for slot, ss in program.steps.items() for i, st in enumerate(ss)}
     group_fns = dict(program.group_fns)
@@ -309,46 +412,63 @@ def apply(program, decisions: list[Decision], checked, binder):
         slot, i = at[sid]
         steps[slot][i] = dataclasses.replace(steps[slot][i], **changes)
 
-    edits: dict[str, dict] = {}          # supertask id -> {"prefix": ..., "suffix": ...}
+    edits: dict[str, dict] = {}          # supertask id -> {"prefix": ..., "suffix": ..., "graph": DecodedGraph}
     for d in decisions:
         if not d.fused:
             continue
         if d.pattern == "matmul->reduce_scatter":
             for m, member in zip(d.plan, d.supertasks):
                 a_name, b_name = f"{m['x']}#a", f"{m['x']}#b"
-                edits.setdefault(m["sid"], {})["prefix"] = (m["out_index"], m["mm"], m["x"], a_name, b_name)
+                e = edits.setdefault(m["sid"], {"graph": m["graph"]})
+                e["prefix"] = (m["out_index"], m["mm"], m["x"], a_name, b_name)
                 edit(member, reads=(a_name, b_name))
                 renames[m["x"]] = (a_name, b_name)
-            y_shapes = [tuple(p.tensors[m["y"]].shape) for m in d.plan]
+            y_shapes = [tuple(checked.pipeline.tensors[m["y"]].shape) for m in d.plan]
             dim, op = d.plan[0]["dim"], checked.groups[d.group].params["reduce_op"]
 
             def fn(xs, dim=dim, op=op, y_shapes=y_shapes):
                 outs = kernels.matmul_reduce_scatter(xs[0::2], xs[1::2], dim=dim, op=op)
                 return [o.reshape(s) for o, s in zip(outs, y_shapes)]
         else:
-            consts = []
+            consts, shards = [], []
             for m, member in zip(d.plan, d.supertasks):
                 slot, i = at[m["sid"]]
                 st = steps[slot][i]
                 b_idx, transform, _ = m["b"]
                 b = st.constants[st.reads[b_idx]]
+                group_device = steps[at[member][0]][at[member][1]].device
+                if group_device is not None and b.device != group_device:
+                    b = b.to(group_device)     # the kernel runs where the group's members are
                 for target, args in transform:
                     b = target(b, *args)
                 consts.append(b)
+                shards.append(m["shard_shape"])
                 z = f"{m['y']}#mm"
                 edit(member, writes=(z,))
                 renames[m["y"]] = (z,)
-                edits.setdefault(m["sid"], {})["suffix"] = (m["in_index"], m["mm"], z)
+                e = edits.setdefault(m["sid"], {"graph": m["graph"]})
+                e["suffix"] = (m["in_index"], m["mm"], z)
             dim = d.plan[0]["dim"]
 
-            def fn(xs, dim=dim, consts=consts):
-                return kernels.all_gather_matmul([x.reshape(-1, x.shape[-1]) for x in xs], consts, dim=dim)
+            def fn(xs, dim=dim, consts=consts, shards=shards):
+                return kernels.all_gather_matmul([x.reshape(s) for x, s in zip(xs, shards)], consts, dim=dim)
+            fn.weights = consts          # the b[j] it multiplies by (on the group's device)
         group_fns[d.group] = fn
     for sid, e in edits.items():
         slot, i = at[sid]
         st = steps[slot][i]
         suffix, prefix = e.get("suffix"), e.get("prefix")
-        gm = _rewrite_graph(graphs[sid].gm, suffix=suffix and suffix[:2], prefix=prefix and prefix[:2])
+        dg = e["graph"]
+        if st.graph is not None:
+            root = st.graph           # bound: on st.device, external constants bound
+        else:                         # not bound here (not expected for an fx step): the decoded graph
+            from fastpipe.payload import unbound_external
+
+            if dg.external_constants and unbound_external(dg):
+                binder._bind_external(sid, dg)
+            root = dg.gm
+        gm = _rewrite_graph(dg.gm, suffix=suffix and suffix[:2], prefix=prefix and prefix[:2], root=root)
+        gm = _placed_graph(gm, st.device)
         reads, writes = st.reads, st.writes
         if suffix is not None:
             k, _, z = suffix
