@@ -1,29 +1,38 @@
-"""Fused matmul + collective kernels vs the unfused path, all participants on one GPU.
+"""Fused matmul + collective kernels vs the unfused path the runtime runs, all participants on one GPU.
 
-    python bench/bench_fused_kernels.py                 # matmul_reduce_scatter, the default grid below
-    python bench/bench_fused_kernels.py --check         # verify correctness at those sizes (exit 1 on mismatch)
+    python bench/bench_fused_kernels.py                       # matmul_reduce_scatter, the default grid below
+    python bench/bench_fused_kernels.py --kernel both --check --json fused.json     # what gpu_check runs
+    python bench/bench_fused_kernels.py --threshold fused.json [more.json ...]      # results -> crossover
     python bench/bench_fused_kernels.py --kernel all_gather_matmul --dim 0
     python bench/bench_fused_kernels.py --ms 16,8192 --nk 4096 --ns 2 --json fused.json
+    python bench/bench_fused_kernels.py --smoke               # CPU, TRITON_INTERPRET=1, tiny: tests the script
 
 Default grid: M in {16, 128, 1024, 8192}, N = K in {4096, 8192}, n in {2, 4}, bf16, dim 0.
 
 matmul_reduce_scatter (a[i]: [M, K], b[i] = w_i.t(): [K, N], as a row-parallel linear layer):
   fused    fastpipe.kernels.matmul_reduce_scatter: one launch, every tile written once
-  unfused  torch.mm per participant, then the reduce_scatter of fastpipe.comm.reference
-           semantics: float32 fold, one cast, n contiguous chunks
+  unfused  what the runtime runs without fusion (the cuda/reference processors, members on one
+           device): the compute step's torch.mm per participant, then the group's callable,
+           fastpipe.comm.reduce_scatter (float32 fold, one cast, a fresh chunk per member)
   torch.mm one mm of [M, n*K] x [n*K, N]: the same FLOPs in one cuBLAS call (the roofline
            the fused kernel should approach)
 all_gather_matmul (a[i]: [M/n, K] (dim 0) or [M, K/n] (dim 1), b[j] = w_j.t(): [K, N/n]):
   fused    fastpipe.kernels.all_gather_matmul: one launch per j, no cat(a)
-  unfused  torch.cat(a, dim), then torch.mm per j
+  unfused  fastpipe.comm.all_gather (one gathered copy per member), then torch.mm per j
   torch.mm one mm of [M, K] x [K, N]: the same FLOPs
 
 Each time is triton.testing.do_bench's median (p20-p80 shown) after its warm-up; the fused
-kernel's first call (Triton compile + autotune-free launch) is reported apart. TFLOP/s =
-2*M*N*K_total / time. The last column is what ``fused_is_faster`` (the runtime's rule,
-a placeholder until these numbers replace it) would pick. Without CUDA the script refuses,
-except ``--smoke`` (tiny sizes, TRITON_INTERPRET=1 on CPU, timings meaningless): it only
-checks that the script itself runs.
+kernel's first call (Triton compile) is reported apart. TFLOP/s = 2*M*N*K_total / time.
+The "rule" column is what ``fused_is_faster`` (the runtime's threshold) picks today.
+
+--check compares every variant's result with one float32 reference computed from the same
+inputs upcast, with tolerances for the dtype (``tolerance`` below): a mismatch exits 1.
+
+--threshold reads result files and prints, per (kernel, N, K_total, n, dtype), the measured
+crossover: the smallest M from which the fused kernel beat the unfused path at every measured
+M (``crossover``); with --json it writes them. That is the data ``fused_is_faster`` is to be set
+from (fastpipe/kernels/mm_reduce_scatter_kernel.py). Without CUDA the script refuses to time,
+except --smoke (tiny sizes, TRITON_INTERPRET=1 on CPU, timings meaningless).
 """
 from __future__ import annotations
 
@@ -43,18 +52,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.machine import machine_info  # noqa: E402
-from fastpipe.kernels import (  # noqa: E402
-    all_gather_matmul,
-    all_gather_matmul_reference,
-    fused_is_faster,
-    matmul_reduce_scatter,
-    matmul_reduce_scatter_reference,
-)
+from fastpipe import comm  # noqa: E402
+from fastpipe.kernels import all_gather_matmul, fused_is_faster, matmul_reduce_scatter  # noqa: E402
 from tests.tensor_compare import error_ratio  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KERNELS = ("matmul_reduce_scatter", "all_gather_matmul")
+VARIANTS = ("fused", "unfused", "torch.mm")
+
+# ---------------------------------------------------------------------------------------- tolerances
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
+ACC = 1e-4  # float32 accumulation: the kernel's, cuBLAS's and the reference's summation orders differ
 
 
+def tolerance(variant: str, kernel: str, dtype: torch.dtype, device: torch.device) -> tuple[float, float]:
+    """(rtol, atol) of ``|out - ref| <= rtol*|ref| + atol*mag`` (tests/tensor_compare.py's rule), ref the
+    float32 result from the same inputs upcast, mag = sum_i |a_i| @ |b_i| (the accumulation's scale).
+
+    Every variant accumulates in float32 and rounds its result to the dtype once: at most u|ref|
+    (u the unit roundoff: bf16 2^-8, fp16 2^-11), rtol = 2u; the summation orders differ by at most
+    ACC*mag. The unfused matmul_reduce_scatter also rounds each participant's partial product
+    (torch.mm's output) to the dtype before the float32 sum, at most u * |a_i| @ |b_i| each, so
+    u*mag in all: its atol gets 2u more. Under the CPU interpreter the fused kernel's final cast
+    truncates (one ulp, not half): rtol doubles.
+    """
+    u = UNIT_ROUNDOFF[dtype]
+    rtol = 2 * u * (2 if variant == "fused" and device.type == "cpu" else 1)
+    atol = ACC
+    if variant == "unfused" and kernel == "matmul_reduce_scatter" and dtype != torch.float32:
+        atol += 2 * u
+    return rtol, atol
+
+
+# ---------------------------------------------------------------------------------------- the cases
 def bench(fn, device) -> tuple[float, float, float]:
     """(median, p20, p80) in ms."""
     if device.type == "cuda":
@@ -97,64 +127,84 @@ def make_agm(M, NK, n, dim, dtype, device, seed=0):
 
 
 def unfused_mrs(a, b, dim):
-    n = len(a)
+    """The runtime's unfused path: each member's compute step ends in torch.mm, then the group's
+    reduce_scatter (fastpipe.runtime.execute.group_fn -> fastpipe.comm.reduce_scatter)."""
     parts = [torch.mm(x, y) for x, y in zip(a, b)]
-    acc = parts[0].float()
-    for p in parts[1:]:
-        acc.add_(p)
-    return [c.to(a[0].dtype, memory_format=torch.contiguous_format) for c in acc.chunk(n, dim)]
+    return comm.reduce_scatter(parts, "sum", dim, [x.device for x in a])
 
 
 def unfused_agm(a, b, dim):
-    full = torch.cat(a, dim=dim)
-    return [torch.mm(full, bj) for bj in b]
+    """The runtime's unfused path: the group's all_gather (one gathered copy per member), then each
+    member's compute step's torch.mm."""
+    full = comm.all_gather(a, dim, [x.device for x in a])
+    return [torch.mm(f, bj) for f, bj in zip(full, b)]
 
 
-def check_close(outs, refs, mags, rtol, atol) -> tuple[bool, float]:
-    """|out - ref| <= rtol*|ref| + atol*mag everywhere (tests/tensor_compare.py's rule); returns
-    (ok, worst ratio err/allowed)."""
-    worst = max((error_ratio(o, r, m, rtol=rtol, atol=atol) for o, r, m in zip(outs, refs, mags)), default=0.0)
-    return worst <= 1.0, worst
+def reference_f32(kernel, a, b, dim) -> tuple[list, list]:
+    """(float32 results, mags) from the same inputs upcast: what every variant is checked against."""
+    n = len(a)
+    if kernel == "matmul_reduce_scatter":
+        ref = sum(x.float() @ y.float() for x, y in zip(a, b))
+        mag = sum(x.float().abs() @ y.float().abs() for x, y in zip(a, b))
+        return list(torch.chunk(ref, n, dim)), list(torch.chunk(mag, n, dim))
+    full = torch.cat(a, dim=dim).float()
+    return [full @ bj.float() for bj in b], [full.abs() @ bj.float().abs() for bj in b]
+
+
+def check_variant(kernel, variant, outs, refs, mags, dtype, device) -> float:
+    """Worst err/allowed over the outputs (<= 1 passes); see ``tolerance``."""
+    rtol, atol = tolerance(variant, kernel, dtype, device)
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        assert tuple(o.shape) == tuple(r.shape) and o.dtype == dtype, (variant, tuple(o.shape), o.dtype)
+    return max(error_ratio(o, r, m, rtol=rtol, atol=atol) for o, r, m in zip(outs, refs, mags))
+
+
+def variants(kernel, M, NK, n, dim, dtype, device):
+    """(fns by variant, K_total, N) for one case, or None where the split is not divisible by n."""
+    if kernel == "matmul_reduce_scatter":
+        if (M if dim == 0 else NK) % n:
+            return None
+        a, b = make_mrs(M, NK, n, dtype, device)
+        a_cat = torch.cat(a, dim=1)
+        b_cat = torch.cat([x.t() for x in b], dim=1).t()  # [n*K, N], the same w.t() layout
+        fns = {"fused": lambda: matmul_reduce_scatter(a, b, dim=dim),
+               "unfused": lambda: unfused_mrs(a, b, dim),
+               "torch.mm": lambda: torch.mm(a_cat, b_cat)}
+        split = lambda out: list(torch.chunk(out, n, dim))  # noqa: E731
+        return a, b, fns, split, n * NK, NK
+    if (M if dim == 0 else NK) % n or NK % n:
+        return None
+    a, b = make_agm(M, NK, n, dim, dtype, device)
+    a_cat = torch.cat(a, dim=dim)
+    b_cat = torch.cat([x.t() for x in b], dim=0).t()  # [K, N]
+    fns = {"fused": lambda: all_gather_matmul(a, b, dim=dim),
+           "unfused": lambda: unfused_agm(a, b, dim),
+           "torch.mm": lambda: torch.mm(a_cat, b_cat)}
+    split = lambda out: list(torch.split(out, [bj.shape[1] for bj in b], dim=1))  # noqa: E731
+    return a, b, fns, split, NK, NK
 
 
 def run_case(kernel, M, NK, n, dim, dtype, device, check: bool) -> dict:
-    if kernel == "matmul_reduce_scatter":
-        if (M if dim == 0 else NK) % n:
-            return {}
-        a, b = make_mrs(M, NK, n, dtype, device)
-        fused = lambda: matmul_reduce_scatter(a, b, dim=dim)  # noqa: E731
-        unfused = lambda: unfused_mrs(a, b, dim)  # noqa: E731
-        k_total, N = n * NK, NK
-        a_cat = torch.cat(a, dim=1)
-        b_cat = torch.cat([x.t() for x in b], dim=1).t()  # [n*K, N], the same w.t() layout
-    else:
-        if (M if dim == 0 else NK) % n or NK % n:
-            return {}
-        a, b = make_agm(M, NK, n, dim, dtype, device)
-        fused = lambda: all_gather_matmul(a, b, dim=dim)  # noqa: E731
-        unfused = lambda: unfused_agm(a, b, dim)  # noqa: E731
-        k_total, N = NK, NK
-        a_cat = torch.cat(a, dim=dim)
-        b_cat = torch.cat([x.t() for x in b], dim=0).t()  # [K, N]
-    row = {"kernel": kernel, "M": M, "N=K": NK, "n": n, "dim": dim, "dtype": str(dtype).replace("torch.", "")}
-    row["first_call_ms"] = first_call_ms(fused, device)
+    made = variants(kernel, M, NK, n, dim, dtype, device)
+    if made is None:
+        return {}
+    a, b, fns, split, k_total, N = made
+    row = {"kernel": kernel, "M": M, "N=K": NK, "N": N, "K_total": k_total, "n": n, "dim": dim,
+           "dtype": str(dtype).replace("torch.", "")}
+    row["first_call_ms"] = first_call_ms(fns["fused"], device)
     if check:
-        outs = fused()
-        if kernel == "matmul_reduce_scatter":
-            refs = matmul_reduce_scatter_reference(a, b, dim)
-            mags = torch.chunk(sum(x.float().abs() @ y.float().abs() for x, y in zip(a, b)), n, dim)
-        else:
-            refs = all_gather_matmul_reference(a, b, dim)
-            full = torch.cat(a, dim=dim).float().abs()
-            mags = [full @ bj.float().abs() for bj in b]
-        rtol = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}[dtype]
-        if device.type == "cpu":
-            rtol *= 4  # the interpreter truncates fp32 -> bf16 (one ulp, not half)
-        ok, worst = check_close(outs, refs, mags, rtol, 1e-5)
-        row.update(check="ok" if ok else "MISMATCH", worst_err_over_tol=worst)
-        del outs, refs, mags
+        refs, mags = reference_f32(kernel, a, b, dim)
+        worst = {}
+        for v, fn in fns.items():
+            outs = fn()
+            worst[v] = check_variant(kernel, v, split(outs) if v == "torch.mm" else outs, refs, mags, dtype, device)
+            del outs
+        row["worst_err_over_tol"] = worst
+        row["check"] = "ok" if all(w <= 1.0 for w in worst.values()) else "MISMATCH"
+        del refs, mags
     flops = 2.0 * M * N * k_total
-    for name, fn in (("fused", fused), ("unfused", unfused), ("torch.mm", lambda: torch.mm(a_cat, b_cat))):
+    for name, fn in fns.items():
         med, p20, p80 = bench(fn, device)
         row[f"{name}_ms"], row[f"{name}_p20"], row[f"{name}_p80"] = med, p20, p80
         row[f"{name}_tflops"] = flops / (med * 1e-3) / 1e12
@@ -164,33 +214,100 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool) -> dict:
 
 
 def print_table(rows: list[dict], check: bool) -> None:
-    header = ["M", "N=K", "n", "fused ms (p20-p80)", "unfused ms", "speedup", "fused TF/s", "unfused TF/s",
-              "torch.mm TF/s", "first call ms", "rule: fused?"] + (["check"] if check else [])
+    header = ["kernel", "M", "N=K", "n", "fused ms (p20-p80)", "unfused ms", "torch.mm ms", "speedup", "fused TF/s",
+              "unfused TF/s", "torch.mm TF/s", "first call ms", "rule: fused?"] + (["check"] if check else [])
     table = []
     for r in rows:
-        table.append([str(r["M"]), str(r["N=K"]), str(r["n"]),
+        table.append([r["kernel"], str(r["M"]), str(r["N=K"]), str(r["n"]),
                       f"{r['fused_ms']:.3f} ({r['fused_p20']:.3f}-{r['fused_p80']:.3f})", f"{r['unfused_ms']:.3f}",
-                      f"{r['speedup']:.2f}x", f"{r['fused_tflops']:.1f}", f"{r['unfused_tflops']:.1f}",
-                      f"{r['torch.mm_tflops']:.1f}", f"{r['first_call_ms']:.0f}",
+                      f"{r['torch.mm_ms']:.3f}", f"{r['speedup']:.2f}x", f"{r['fused_tflops']:.1f}",
+                      f"{r['unfused_tflops']:.1f}", f"{r['torch.mm_tflops']:.1f}", f"{r['first_call_ms']:.0f}",
                       "yes" if r["rule_says_fused"] else "no"]
-                     + ([f"{r['check']} ({r['worst_err_over_tol']:.2f} of tol)"] if check else []))
+                     + ([r["check"] + " (" + ", ".join(f"{k} {v:.2f}" for k, v in r["worst_err_over_tol"].items())
+                         + " of tol)"] if check else []))
     widths = [max(len(x[i]) for x in table + [header]) for i in range(len(header))]
     for r in [header, ["-" * w for w in widths]] + table:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
 
 
-def main() -> int:
+# ---------------------------------------------------------------------------------------- thresholds
+def crossover(rows: list[dict], margin: float = 1.0) -> list[dict]:
+    """The measured crossover per (kernel, dim, dtype, N, K_total, n): ``min_M``, the smallest
+    measured M from which the fused kernel was faster than the unfused path at EVERY larger measured
+    M too (``unfused_ms > margin * fused_ms``), None where it never was at the largest M; with the
+    speedups behind it and whether ``fused_is_faster`` (today's rule) agrees at every M measured."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r["kernel"], r["dim"], r["dtype"], r["N"], r["K_total"], r["n"])
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (kernel, dim, dtype, N, k_total, n), rs in sorted(groups.items()):
+        rs = sorted(rs, key=lambda r: r["M"])
+        wins = [r["unfused_ms"] > margin * r["fused_ms"] for r in rs]
+        min_m = None
+        for i in range(len(rs) - 1, -1, -1):
+            if not wins[i]:
+                break
+            min_m = rs[i]["M"]
+        out.append({"kernel": kernel, "dim": dim, "dtype": dtype, "N": N, "K_total": k_total, "n": n, "min_M": min_m,
+                    "speedup_by_M": {r["M"]: round(r["speedup"], 3) for r in rs},
+                    "fused_vs_torch_mm_by_M": {r["M"]: round(r["torch.mm_ms"] / r["fused_ms"], 3) for r in rs},
+                    "rule_agrees": all(r["rule_says_fused"] == w for r, w in zip(rs, wins))})
+    return out
+
+
+def print_thresholds(ts: list[dict]) -> None:
+    print("measured crossover: fused beats the runtime's unfused path from min_M on (None: never, at the sizes run)")
+    for t in ts:
+        sp = ", ".join(f"M={m}: {s:.2f}x" for m, s in t["speedup_by_M"].items())
+        print(f"  {t['kernel']} dim {t['dim']} {t['dtype']} N={t['N']} K_total={t['K_total']} n={t['n']}: "
+              f"min_M={t['min_M']}  ({sp}; today's rule {'agrees' if t['rule_agrees'] else 'DISAGREES'})")
+    for kernel in KERNELS:
+        ks = [t for t in ts if t["kernel"] == kernel]
+        if not ks:
+            continue
+        found = [t["min_M"] for t in ks if t["min_M"] is not None]
+        never = [t for t in ks if t["min_M"] is None]
+        line = f"{kernel}: "
+        line += f"the largest crossover is M={max(found)}" if found else "the fused kernel never won"
+        if never:
+            line += "; never faster at: " + ", ".join(f"N={t['N']} K_total={t['K_total']} n={t['n']}" for t in never)
+        print(line)
+
+
+def read_rows(paths) -> list[dict]:
+    rows = []
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        rows += doc["rows"] if isinstance(doc, dict) else doc
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernel", choices=["matmul_reduce_scatter", "all_gather_matmul"], default="matmul_reduce_scatter")
+    ap.add_argument("--kernel", choices=[*KERNELS, "both"], default="matmul_reduce_scatter")
     ap.add_argument("--ms", default="16,128,1024,8192", help="comma-separated M values")
     ap.add_argument("--nk", default="4096,8192", help="comma-separated N = K values")
     ap.add_argument("--ns", default="2,4", help="comma-separated participant counts")
     ap.add_argument("--dim", type=int, default=0, choices=[0, 1])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--check", action="store_true", help="also verify the fused results (exit 1 on mismatch)")
-    ap.add_argument("--json", help="write the rows and the machine info to this file")
+    ap.add_argument("--check", action="store_true",
+                    help="also check every variant against a float32 reference (exit 1 on mismatch)")
+    ap.add_argument("--json", help="write the rows (or, with --threshold, the crossovers) and the machine info here")
+    ap.add_argument("--threshold", nargs="+", metavar="RESULTS_JSON",
+                    help="no timing: read these result files and print (--json: write) the measured crossovers")
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny sizes: tests the script")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+
+    if args.threshold:
+        ts = crossover(read_rows(args.threshold))
+        print_thresholds(ts)
+        if args.json:
+            machines = [json.loads(Path(p).read_text()).get("machine") for p in args.threshold]
+            Path(args.json).write_text(json.dumps({"machines": machines, "crossovers": ts}, indent=1))
+            print(f"wrote {args.json}")
+        return 0
 
     if args.smoke:
         device = torch.device("cpu")
@@ -203,22 +320,29 @@ def main() -> int:
         device = torch.device("cuda")
         ms, nks, ns = ([int(x) for x in s.split(",")] for s in (args.ms, args.nk, args.ns))
     dtype = DTYPES[args.dtype]
+    kernels = KERNELS if args.kernel == "both" else (args.kernel,)
     info = machine_info()
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
-    print(f"{args.kernel}, dtype {args.dtype}, dim {args.dim}, all participants on {device}"
+    print(f"{', '.join(kernels)}, dtype {args.dtype}, dim {args.dim}, all participants on {device}"
           + (" (SMOKE RUN: interpreter, timings meaningless)" if args.smoke else ""))
     rows = []
-    for nk in nks:
-        for n in ns:
-            for M in ms:
-                row = run_case(args.kernel, M, nk, n, args.dim, dtype, device, args.check)
-                if not row:
-                    print(f"skipped M={M} N=K={nk} n={n}: the split dimension is not divisible by n")
-                    continue
-                rows.append(row)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+    for kernel in kernels:
+        for nk in nks:
+            for n in ns:
+                for M in ms:
+                    row = run_case(kernel, M, nk, n, args.dim, dtype, device, args.check)
+                    if not row:
+                        print(f"skipped {kernel} M={M} N=K={nk} n={n}: the split dimension is not divisible by n")
+                        continue
+                    rows.append(row)
+                    print(f"  {kernel} M={M} N=K={nk} n={n}: fused {row['fused_ms']:.3f} ms, unfused "
+                          f"{row['unfused_ms']:.3f} ms, torch.mm {row['torch.mm_ms']:.3f} ms"
+                          + (f", check {row['check']}" if args.check else ""), flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
     print_table(rows, args.check)
+    print()
+    print_thresholds(crossover(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows}, indent=1))
         print(f"wrote {args.json}")
