@@ -4,6 +4,7 @@ device, traces, the memory report's plan; and the CudaProcessor's glue (one grap
 run, traced runs eager) with CUDA stubbed out. The GPU half is tests/test_cuda_processor_gpu.py."""
 import dataclasses
 import json
+import warnings
 import weakref
 from typing import ClassVar
 
@@ -393,8 +394,11 @@ class FakeReplay:
     made: ClassVar[list] = []
 
     def __init__(self, fn, device, *, policy="warn", alias_outputs=False, state=None):
-        self.fn, self.device, self.calls, self.graph = fn, device, [], None
+        self.fn, self.device, self.calls, self.graph, self.pool = fn, device, [], None, None
         FakeReplay.made.append(self)
+
+    def use_pool(self, pool):
+        self.pool = pool
 
     def __call__(self, inputs):
         self.calls.append(sorted(inputs))
@@ -439,8 +443,14 @@ def test_a_k_chunk_run_is_one_replayed_function_and_a_traced_run_is_eager(stubbe
     with pytest.warns(RuntimeWarning, match=r"a traced run is issued eagerly on streams, not replayed"):
         proc.run(parts, chunks=3, trace=trace)
     assert len(trace) == 3 * 6 and len(FakeReplay.made[0].calls) == 1
-    proc.run(parts, chunks=3, trace=[])                            # warned once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        proc.run(parts, chunks=3, trace=[])                        # warned once
     assert proc.memory_report()["cpu"]["measured_peak_bytes"] == 12345
+    pool = object()
+    proc.use_pool(pool)                                            # every chunk count's graph, made and to be made
+    proc.run(parts[:2], chunks=2)
+    assert [r.pool for r in FakeReplay.made] == [pool] * 3
 
 
 def test_the_processor_issues_eagerly_without_graphs(stubbed_cuda):

@@ -79,6 +79,7 @@ class CudaProcessor:
         self.device = self.devices[0]
         self.compile_policy, self.alias_outputs = compile_policy, alias_outputs
         self.replays: dict[int, GraphReplay] = {}              # chunks -> the replay of a k-chunk run
+        self.graph_pool = None                                 # use_pool(): every replay's memory pool
         self._warned_trace = False
         self.reset_peak_memory()
 
@@ -101,7 +102,16 @@ class CudaProcessor:
 
             r = self.replays[chunks] = GraphReplay(whole_run, self.device, policy=self.compile_policy,
                                                    alias_outputs=self.alias_outputs)
+            if self.graph_pool is not None:
+                r.use_pool(self.graph_pool)
         return r
+
+    def use_pool(self, pool) -> None:
+        """Capture every graph of this processor (one per chunk count, made and to be made) into
+        `pool` (a fastpipe.runtime.graph_replay.GraphPool: GraphReplay.use_pool); they take turns."""
+        self.graph_pool = pool
+        for r in self.replays.values():
+            r.use_pool(pool)
 
     # ------------------------------------------------------------------ public
     def run(self, inputs, *, chunks: int = 1, trace: list | None = None):
