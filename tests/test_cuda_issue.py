@@ -314,6 +314,7 @@ def test_two_devices_fork_from_and_join_to_every_callers_stream():
     r = runs(b.log)
     assert all(i < r[0] for i, e in enumerate(b.log) if e[0] in ("fork", "place"))
     assert all(i > r[-1] for i, e in enumerate(b.log) if e[0] in ("join", "hand_out"))
+    assert len([e for e in b.log if e[0] == "hand_out"]) == 2          # y, made on a lane, per chunk
     assert sorted(e[1] for e in b.log if e[0] == "place") == ["d0", "d0", "d1", "d1"]   # x, on each device, per chunk
     for part, out in zip(parts, outs):
         torch.testing.assert_close(out["y"], ref.run(part)["y"], rtol=0, atol=0)

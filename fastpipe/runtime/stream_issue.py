@@ -28,7 +28,7 @@ One run, with k micro-batches ("chunks"):
   * a tensor used on another lane than the one that made it is handed to the backend (`use`:
     record_stream on CUDA), so its memory is not reused before that lane is done with it;
   * join: the caller's current stream on every device waits for every lane; outputs made on a
-    lane are marked used by the caller's stream on their device (`hand_out`).
+    lane are marked used by the caller's stream on their device (`hand_out`: record_stream).
 Everything runs under torch.inference_mode. With a trace list, each op is timed by markers on
 its lane (CUDA events with timing), read after the run (`finish` synchronizes): one event
 (slot, label, t0, t1, chunk) per step, a comm group's time given to each of its members, in
@@ -150,8 +150,9 @@ class CudaBackend:
         if t.device == lane.device:
             t.record_stream(lane)
 
-    def hand_out(self, t: torch.Tensor, caller) -> None:
-        if t.device == caller.device:
+    def hand_out(self, t: torch.Tensor, callers: Mapping) -> None:
+        caller = callers.get(t.device)        # the caller's stream on the output's device
+        if caller is not None:
             t.record_stream(caller)
 
     def mark(self, stream):
@@ -170,7 +171,7 @@ class CudaBackend:
 class HostBackend:
     """For tests on CPU only: a lane is a name, an op runs at once (in issue order), every call is
     logged in `log` as a tuple: ("fork", lane, caller), ("join", caller, lane), ("record", lane, key,
-    token), ("wait", lane, token), ("run", lane), ("use", lane), ("hand_out", caller), ("place", device).
+    token), ("wait", lane, token), ("run", lane), ("use", lane), ("hand_out",), ("place", device).
     `key` is (slot, index, chunk) of what the event marks (for a group: its first member)."""
 
     def __init__(self):
@@ -208,8 +209,8 @@ class HostBackend:
     def use(self, t, lane):
         self.log.append(("use", lane))
 
-    def hand_out(self, t, caller):
-        self.log.append(("hand_out", caller))
+    def hand_out(self, t, callers):
+        self.log.append(("hand_out",))
 
     def mark(self, stream):
         return time.perf_counter()
@@ -320,7 +321,7 @@ class LaneRunner:
             out = {n: env[n] for n in program.outputs}
             for n, t in out.items():
                 if n in made:
-                    b.hand_out(t, callers[self.lane_devices[made[n]]])
+                    b.hand_out(t, callers)
             outs.append(out)
         if trace is not None:
             self._trace(trace, timings, origins)
