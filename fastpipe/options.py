@@ -2,7 +2,8 @@
 
     LoadOptions(allow_outside_paths=False, trust_export_archives=False, check_payloads=True)
     RunOptions(processor="reference", compile=False, compile_policy="warn", cuda_graph=True,
-               fuse="auto", merge_shards=True, slot_ranks=None, dist_timeout=None, state_in_place=False)
+               fuse="auto", merge_shards=True, slot_ranks=None, dist_timeout=None, state_in_place=False,
+               graph_pool=None)
 
 Both check their fields on construction and raise InputError, one line naming the field
 (`fuse: expected auto, off or always, found "yes"`). `fastpipe.load(...)` takes the same
@@ -49,7 +50,8 @@ class RunOptions:
     compile_policy: str = "warn"
     """A graph (or CUDA-graph capture) that cannot be compiled: "warn" runs it eagerly with a warning; "raise"."""
     cuda_graph: bool = True
-    """cuda processor: capture the whole run as one CUDA graph and replay it."""
+    """cuda and region processors on one GPU: capture the whole run as one CUDA graph and replay it
+    (captured by Session.compile at warm-up, else at the second run; fastpipe.runtime.graph_replay)."""
     fuse: str = "auto"
     """matmul->reduce_scatter and all_gather->matmul as fused Triton kernels: "auto" (one CUDA device,
     above the size threshold), "always", "off" (fastpipe.runtime.fuse)."""
@@ -63,6 +65,10 @@ class RunOptions:
     state_in_place: bool = False
     """Outputs that are an input's updated version (a KV cache; fastpipe.runtime.state) are written into
     the tensor given as that input, which run() returns as the output: the caller hands those inputs over."""
+    graph_pool: object = None
+    """A fastpipe.runtime.graph_replay.GraphPool: the CUDA graph shares this memory pool with the other
+    sessions' graphs in it (a serving set's buckets: capture the largest first). Their replays take turns
+    (one lock), so give sessions meant to run in parallel pools of their own. None: a private pool."""
 
     def __post_init__(self):
         if self.processor not in PROCESSORS:
@@ -80,6 +86,10 @@ class RunOptions:
             raise InputError(f"fuse: expected auto, off or always, found \"{self.fuse}\"")
         if self.slot_ranks is not None and self.processor not in ("dist", "auto"):
             raise InputError(f"slot_ranks: expected processor=\"dist\", found processor=\"{self.processor}\"")
+        pool = self.graph_pool      # a GraphPool (layer 5: known here by what it has, not imported)
+        if pool is not None and not (callable(getattr(pool, "handle", None)) and hasattr(pool, "turns")):
+            raise InputError(f"graph_pool: expected a fastpipe.runtime.graph_replay.GraphPool or None, found "
+                             f"{type(pool).__name__}")
         t = self.dist_timeout
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
             raise InputError(f"dist_timeout: expected a number of seconds > 0, found {t!r}")

@@ -27,6 +27,7 @@ from fastpipe.options import LoadOptions, RunOptions, choose_processor
 from fastpipe.runtime import fuse as fusion
 from fastpipe.runtime.bind import Binder, bind
 from fastpipe.runtime.device_map import resolve_device_map
+from fastpipe.runtime.graph_replay import GraphReplay
 from fastpipe.runtime.inputs import check_inputs
 from fastpipe.runtime.reference import ReferenceProcessor
 from fastpipe.validate import Checked, validate
@@ -101,7 +102,10 @@ class Session:
         if self.processor == "cuda":
             from fastpipe.runtime.cuda_processor import CudaProcessor
 
-            return CudaProcessor(self.program, cuda_graph=opts.cuda_graph, compile_policy=opts.compile_policy)
+            proc = CudaProcessor(self.program, cuda_graph=opts.cuda_graph, compile_policy=opts.compile_policy)
+            if opts.graph_pool is not None:
+                proc.use_pool(opts.graph_pool)               # every chunk count's graph
+            return proc
         if self.processor == "dist":
             from fastpipe.runtime.dist_processor import DistProcessor
 
@@ -112,7 +116,8 @@ class Session:
             return RegionProcessor(self.program, self.checked.groups, compile=opts.compile,
                                    compile_policy=opts.compile_policy, cuda_graph=opts.cuda_graph,
                                    merge_shards=opts.merge_shards,
-                                   opaque_groups={d.group for d in self.fusion if d.fused}, state=self._in_place)
+                                   opaque_groups={d.group for d in self.fusion if d.fused}, state=self._in_place,
+                                   graph_pool=opts.graph_pool)
         return ReferenceProcessor(self.program)
 
     def _compiled(self) -> dict:
@@ -133,10 +138,15 @@ class Session:
         ThreadedProcessor, CudaProcessor or DistProcessor; `processor` is its name)."""
         return self._processor
 
-    def compile(self):
-        """Compile every fx supertask (region processor: every region) now: one warm-up run on seeded
-        inputs, timed apart from runs. The region processor then keeps, per CPU region, the faster of
-        the compiled graph and the stitched graph run eagerly (RegionProcessor.tune; describe() says).
+    def compile(self, inputs: Mapping[str, torch.Tensor] | None = None, *, capture: bool = True):
+        """Warm up now, off the request path: compile every fx supertask (region processor: every region)
+        in one warm-up run on seeded inputs, timed apart from runs, then capture the run's CUDA graph
+        (region and cuda processors on one GPU with cuda_graph=True: capture(inputs)), so that the first
+        run() is already a replay. The region processor then keeps, per CPU region, the faster of the
+        compiled graph and the stitched graph run eagerly (RegionProcessor.tune; describe() says).
+        `inputs`: what to capture on (default: the seeded inputs), never run by compile(): a server
+        passes its own state tensors (an engine's KV caches) so they become the graph's buffers.
+        capture=False: warm up only (the second run captures, on what it is given).
 
         Returns a CompileReport (distinct graphs, seconds, supertasks left eager by a failed compile).
         """
@@ -150,11 +160,53 @@ class Session:
         self.run(warm)
         if self.processor == "region" and self.run_options.compile:   # compiled or eager, whichever is faster
             self._processor.tune(warm)
+        if capture:
+            self._capture(warm if inputs is None else inputs, given=inputs is not None)
         compiled = self._compiled()
         graphs = {id(cg) for cg in compiled.values()}
         eager = tuple(sid for sid, cg in compiled.items() if cg.eager)
         self.compile_report = CompileReport(len(graphs), time.perf_counter() - t, eager)
         return self.compile_report
+
+    def capture(self, inputs: Mapping[str, torch.Tensor] | None = None) -> bool:
+        """Capture the run's CUDA graph now, so that the next run() replays it: compile() when this
+        session has not warmed up yet (it captures), else a capture on `inputs` (one run's inputs; their
+        state tensors become the graph's buffers), unless the graph held already has those buffers
+        (inputs=None: any graph held). The capture runs nothing. Returns whether a graph is held: False
+        where the processor replays none (reference, cpu, dist; several GPUs; cuda_graph=False) or after a
+        failed capture (compile_policy "warn": a RuntimeWarning with the reason; "raise": CompileError)."""
+        if self.compile_report is None:
+            self.compile(inputs)
+            return any(r.replaying for r in self._graph_replays())
+        if inputs is None:
+            if any(r.replaying for r in self._graph_replays()):
+                return True
+            from fastpipe.runtime.compile import warmup_inputs
+
+            return self._capture(warmup_inputs(self.pipeline))
+        return self._capture(inputs, given=True)
+
+    def _graph_replays(self) -> list:
+        """The GraphReplays of the processor (the region and cuda processors' `replay`, when they have one)."""
+        r = getattr(self._processor, "replay", None)
+        return [r] if isinstance(r, GraphReplay) else []
+
+    def _capture(self, inputs, *, given: bool = False) -> bool:
+        """The processor captures on `inputs` (checked first when the caller gave them)."""
+        replays = self._graph_replays()
+        if not replays:
+            return False
+        if given:
+            check_inputs(self.pipeline, inputs, self._input_devices)
+            if self._in_place:
+                from fastpipe.runtime.state import check_state_inputs
+
+                check_state_inputs(inputs, self._in_place)
+        capture = getattr(self._processor, "capture", None)
+        if capture is not None:
+            return capture(inputs)
+        with torch.inference_mode():     # a processor without capture() (cuda): its one-chunk replay takes
+            return all([r.capture(inputs) for r in replays])   # run()'s inputs, under inference_mode as its run
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -254,7 +306,8 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
          store: WeightStore | None = None, processor: str = "reference", compile: bool = False,
          compile_policy: str = "warn", cuda_graph: bool = True, fuse: str = "auto", merge_shards: bool = True,
          slot_ranks: Mapping[str, int] | None = None, dist_timeout: float | None = None,
-         state_in_place: bool = False, load_options: LoadOptions | None = None, run_options: RunOptions | None = None) -> Session:
+         state_in_place: bool = False, graph_pool=None, load_options: LoadOptions | None = None,
+         run_options: RunOptions | None = None) -> Session:
     """Load, validate and bind a pipeline (a path to pipeline.json, or a Pipeline).
 
     The keywords are the fields of LoadOptions and RunOptions (fastpipe.options), or give the
@@ -268,7 +321,7 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
     lo = LoadOptions(allow_outside_paths=allow_outside_paths, trust_export_archives=trust_export_archives)
     ro = RunOptions(processor=processor, compile=compile, compile_policy=compile_policy, cuda_graph=cuda_graph,
                     fuse=fuse, merge_shards=merge_shards, slot_ranks=slot_ranks, dist_timeout=dist_timeout,
-                    state_in_place=state_in_place)
+                    state_in_place=state_in_place, graph_pool=graph_pool)
     for given, built, name in ((load_options, lo, "load_options"), (run_options, ro, "run_options")):
         if given is not None and built != type(built)():
             raise InputError(f"{name}: expected either {name} or its fields as keywords, found both")

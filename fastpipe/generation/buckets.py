@@ -8,13 +8,16 @@
 A decode pipeline is one whose model inputs are input_ids [B, 1], cache_position [B] and caches
 [B, Hkv, M, D] returned updated (M = max_len); a prefill pipeline takes input_ids [B, S] only
 and returns logits and caches [B, Hkv, S, D]. Anything else in the folder is refused by name.
-All buckets load through one WeightStore: each weight slice is read and held once.
+All buckets load through one WeightStore: each weight slice is read and held once, and share one
+CUDA-graph memory pool (`graph_pool`, fastpipe.runtime.graph_replay.GraphPool): warmup() captures
+the largest bucket first, and the smaller ones reuse its memory. Graphs in one pool take turns (the
+engine runs one step at a time on one worker anyway): a bucket never replays while another does.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from fastpipe.errors import InputError
 
@@ -46,12 +49,16 @@ def pipeline_paths(source: str | os.PathLike | Sequence) -> list[Path]:
 
 class ServingBuckets:
     def __init__(self, source, *, store=None, **load_kwargs):
+        from fastpipe.runtime.graph_replay import GraphPool
         from fastpipe.session import load
         from fastpipe.weights import WeightStore
 
         paths = pipeline_paths(source)
         self.folder = paths[0].parent.parent
         self.store = store or WeightStore()
+        ro = load_kwargs.get("run_options")
+        self.graph_pool = (ro.graph_pool if ro is not None else load_kwargs.get("graph_pool")) or GraphPool()
+        load_kwargs = self._with(load_kwargs, graph_pool=self.graph_pool)
         self.decodes: dict[int, object] = {}
         self.prefills: dict[tuple[int, int], object] = {}
         for path in paths:
@@ -65,7 +72,7 @@ class ServingBuckets:
                                  + ", ".join(sorted(p.metadata.tensors_inputs)))
             ids = p.metadata.tensors_inputs["input_ids"].shape
             if kind == "decode":
-                self.decodes[ids[0]] = load(p, store=self.store, state_in_place=True, **load_kwargs)
+                self.decodes[ids[0]] = load(p, store=self.store, **self._with(load_kwargs, state_in_place=True))
             else:
                 self.prefills[(ids[0], ids[1])] = load(p, store=self.store, **load_kwargs)
         if not self.decodes or not self.prefills:
@@ -78,6 +85,18 @@ class ServingBuckets:
             raise InputError(f"serving set \"{self.folder}\": expected one max_len and one vocabulary size, found "
                              f"max_len {sorted(lens)} and vocabularies {sorted(vocabs)}")
         self.max_len, self.vocab = lens.pop(), vocabs.pop()
+
+    @staticmethod
+    def _with(load_kwargs: dict, **fields) -> dict:
+        """The load keywords with these RunOptions fields set (in `run_options` when the caller gave one)."""
+        import dataclasses
+
+        kw = dict(load_kwargs)
+        if kw.get("run_options") is not None:
+            kw["run_options"] = dataclasses.replace(kw["run_options"], **fields)
+        else:
+            kw.update(fields)
+        return kw
 
     @staticmethod
     def _cache_len(session) -> int:
@@ -99,16 +118,39 @@ class ServingBuckets:
         b = next((b for b in batches if b >= rows), batches[-1])
         return b, seqs[0], self.prefills[(b, seqs[0])]
 
-    def warmup(self) -> float:
-        """Compile every bucket now (one warm-up run each, on seeded inputs), off the request path;
-        returns the seconds it took."""
+    def warmup(self, decode_inputs: Mapping[int, Mapping] | None = None) -> float:
+        """Warm every bucket up now, off the request path: compile it (one warm-up run on seeded inputs)
+        and capture its CUDA graph (on a GPU), largest first (by_size), so that the graphs captured later
+        reuse the first's memory in the shared pool. `decode_inputs`: decode rows -> the inputs to capture
+        that decode bucket on (an engine's own caches, which become the graph's buffers; never run). A
+        decode bucket without them is compiled, not captured: a graph captured on seeded caches would hold
+        a KV cache of its own; it captures at its second run, on the caches it is given.
+        Returns the seconds it took."""
         import time
 
+        given = dict(decode_inputs or {})
         t = time.perf_counter()
-        for s in self.sessions():
-            if s.compile_report is None and s._compiled():
-                s.compile()
+        rows = {id(s): b for b, s in self.decodes.items()}
+        for s in self.by_size():
+            decode = id(s) in rows
+            inputs = given.get(rows[id(s)]) if decode else None
+            capture = not decode or inputs is not None
+            if s.compile_report is None and (s._compiled() or (capture and s._graph_replays())):
+                s.compile(inputs, capture=capture)
+            elif capture and s._graph_replays():
+                s.capture(inputs)                    # warm already: captures unless it holds a graph on these
         return time.perf_counter() - t
+
+    def by_size(self) -> list:
+        """The sessions, largest first: tokens per call (input_ids' batch x length), then output elements."""
+        import math
+
+        def size(s):
+            meta = s.pipeline.metadata
+            return (math.prod(meta.tensors_inputs["input_ids"].shape),
+                    sum(math.prod(o.shape) for o in meta.tensors_outputs.values()))
+
+        return sorted(self.sessions(), key=size, reverse=True)
 
     def sessions(self):
         return [*self.prefills.values(), *self.decodes.values()]

@@ -103,9 +103,9 @@ class Engine:
                  warmup: bool = True, **load_kwargs):
         """source: a serving-set folder or a list of pipeline.json paths; load_kwargs: fastpipe.load's
         (processor="auto" and compile=True unless given). eos_token_id: an id, a list, None, or "auto"
-        (generation_config.json / config.json in the folder). warmup: compile every bucket and run
-        one decode step on the engine's caches now (`warmup_seconds`; on a GPU the decode step's CUDA
-        graph is captured then), not on the first requests."""
+        (generation_config.json / config.json in the folder). warmup: compile every bucket and capture
+        its CUDA graph (on a GPU; the decode step's on the engine's own caches) now (`warmup_seconds`),
+        not on the first requests."""
         load_kwargs.setdefault("processor", "auto")
         load_kwargs.setdefault("compile", True)
         self.buckets = buckets if buckets is not None else ServingBuckets(source, **load_kwargs)
@@ -144,17 +144,15 @@ class Engine:
             self.warmup()
 
     def warmup(self) -> float:
-        """Compile every bucket, then run one decode step on the engine's own caches (rows all free),
-        so that a GPU captures the decode step's CUDA graph now, not on a request. Returns the seconds
-        it took (also `warmup_seconds`). The constructor calls it unless warmup=False."""
+        """Warm every bucket up (ServingBuckets.warmup: compiled, and on a GPU its CUDA graph captured,
+        largest first, in the buckets' shared graph pool), with the decode step captured on the engine's
+        own caches, which become the graph's buffers: the first request replays, nothing is captured on
+        the request path. Returns the seconds it took (also `warmup_seconds`). The constructor calls it
+        unless warmup=False."""
         with self._busy:
             t = time.perf_counter()
-            self.buckets.warmup()
-            self._step()
-            replay = getattr(self.decode.runner, "replay", None)
-            if replay is not None and not replay.replaying:     # the first call runs eagerly, the next captures
-                self._step()
-            self.steps, self.warmup_seconds = 0, time.perf_counter() - t
+            self.buckets.warmup(decode_inputs={self.batch: self._step_inputs([])})
+            self.warmup_seconds = time.perf_counter() - t
         return self.warmup_seconds
 
     # ------------------------------------------------------------------ callers
@@ -290,16 +288,21 @@ class Engine:
                 self.rows[row] = _Row(r, len(r.prompt), first[i], gens[i])
                 self._emitted(row, first[i])
 
-    def _step(self) -> None:
-        """One decode step for every row (free rows compute on token 0 at position 0, unread)."""
+    def _step_inputs(self, live) -> dict:
+        """The decode step's pipeline inputs: the live rows' tokens and positions (free rows: token 0 at
+        position 0), and the caches as they are."""
         ids = torch.zeros((self.batch, 1), dtype=torch.int64)          # [B, 1]
         pos = torch.zeros((self.batch,), dtype=torch.int64)            # [B]
-        live = [(k, row) for k, row in enumerate(self.rows) if row is not None]
         for k, row in live:
             ids[k, 0], pos[k] = row.token, row.position
         model = {"input_ids": ids, "cache_position": pos}
         inputs = {n: model[o].to(self._devices[n]) for n, o in self._step_names.items()}
-        outs = self.decode.run({**inputs, **self.kv.tensors})
+        return {**inputs, **self.kv.tensors}
+
+    def _step(self) -> None:
+        """One decode step for every row (free rows compute on token 0 at position 0, unread)."""
+        live = [(k, row) for k, row in enumerate(self.rows) if row is not None]
+        outs = self.decode.run(self._step_inputs(live))
         logits = assemble_outputs(self.decode.pipeline, outs, only=("logits",))["logits"][:, 0]   # [B, V]
         self.steps += 1
         if not live:

@@ -1,22 +1,44 @@
 """Whole-run CUDA-graph capture and replay of a function of named tensors, on one GPU.
 
     replay = GraphReplay(fn, device, policy="warn")   # fn(inputs: dict) -> dict of outputs
-    outs = replay(inputs)       # call 1: eager (warm-up: compiles, allocator settles)
-                                # call 2: captures fn into one CUDA graph, replays it
-                                # later:  copies inputs into the static buffers, replays
+    replay.capture(inputs)      # at load / warm-up: capture fn now (after one eager call if fn never
+                                # ran); the capture itself runs nothing; the next call replays
+    outs = replay(inputs)       # copies the inputs into the static buffers, replays
 
-Pipeline inputs are copied into static buffers the graph reads; outputs are cloned out of the
-graph's static buffers (the next replay overwrites them) unless `alias_outputs=True`.
-`state` (input -> its updated output, fastpipe.runtime.state): the state tensors given at capture,
-when dense on the device, become the graph's own buffers, and their outputs are those buffers,
-not clones; a caller passing the same tensors every call (an engine's KV cache) copies nothing.
-Other tensors are copied in (and the session writes the outputs back into them); the tensors of
-the capture call then serve as the graph's scratch. A capture
-failure follows the compile policy: "warn" keeps running `fn` eagerly, with a warning naming
-the reason; "raise" raises CompileError. Never silent.
+Without capture(): call 1 runs eagerly (warm-up: compiles, allocator settles), call 2 captures and
+replays, later calls replay. A server captures at warm-up instead (Session.compile / Session.capture),
+so no request pays for a capture.
+
+Buffers. Pipeline inputs are copied into static buffers the graph reads. `state` (input -> its
+updated output, fastpipe.runtime.state): the state tensors given at capture, when dense on the
+device, become the graph's own buffers and their outputs are those buffers, not clones; a caller
+passing the same tensors every call (an engine's KV cache) copies nothing. Other tensors are copied
+in (and the session writes the outputs back into them); the tensors of the capture call then serve
+as the graph's scratch. capture(inputs) again with other state tensors captures anew on them.
+
+Outputs. Each call's outputs are clones of the graph's static outputs, so they stay valid (and
+unchanged) after later calls. `alias_outputs=True` hands out the static outputs themselves: valid
+only until the next call of this replay, which overwrites them. State outputs are the state
+buffers (the caller's own tensors when captured on them), updated in place by every call.
+
+Memory pools. `pool=` (a GraphPool) puts the graph into a memory pool shared with other replays'
+graphs: what one graph frees at the end of its capture (its temporaries), the graphs captured after
+it reuse, so capture the largest first (fastpipe.generation.buckets does). Graphs sharing memory must
+never run at the same time; the pool makes sure of it: its replays take turns under one lock, and on
+the GPU each waits for the previous one's work when called from another stream. Sessions meant to
+run in parallel need pools of their own (the default: a private pool per graph).
+
+Threads. A GraphReplay may be called from several threads: copy-in, replay and copy-out of one call
+never interleave with another's (a lock per replay, or the pool's). Captures are taken one at a time
+in the process (one capture lock), with capture_error_mode="thread_local", so other threads may run
+other sessions (eager, or replaying) while one captures.
+
+A capture failure follows the compile policy: "warn" keeps running `fn` eagerly, with a warning
+naming the reason; "raise" raises CompileError. Never silent; a capture at warm-up fails there.
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Callable, Mapping
 
@@ -24,57 +46,174 @@ import torch
 
 from fastpipe.errors import CompileError
 
+CAPTURE_ERROR_MODE = "thread_local"      # other threads' CUDA calls do not invalidate our capture
+_CAPTURE_LOCK = threading.Lock()         # one capture at a time in the process (torch's rule)
+_CAPTURE_STREAMS: dict = {}              # device -> the stream every capture on it uses (pool sharing wants one)
+
+
+def _capture_stream(device: torch.device):
+    key = str(device)
+    s = _CAPTURE_STREAMS.get(key)
+    if s is None:
+        s = _CAPTURE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return s
+
+
+class _Turns:
+    """Calls that must not overlap: a lock for the host, and per device the event of the last call's
+    GPU work, which a call from another stream waits for."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._last: dict = {}            # str(device) -> (event, stream) of the last call
+
+    def begin(self, device):
+        stream = torch.cuda.current_stream(device)
+        last = self._last.get(str(device))
+        if last is not None and last[1] != stream:
+            stream.wait_event(last[0])
+        return stream
+
+    def end(self, device, stream) -> None:
+        key = str(device)
+        last = self._last.get(key)
+        ev = last[0] if last is not None else torch.cuda.Event()
+        ev.record(stream)
+        self._last[key] = (ev, stream)
+
+
+class GraphPool:
+    """One CUDA-graph memory pool for the graphs of several sessions (the buckets of a serving set),
+    replayed one at a time: see the module docstring. The torch handle
+    (`torch.cuda.graph_pool_handle()`) is made at the first capture, so a GraphPool costs nothing
+    where no graph is captured (the CPU). `graphs`: how many graphs were captured into it."""
+
+    def __init__(self):
+        self.turns = _Turns()
+        self._handle = None
+        self.graphs = 0
+
+    def handle(self):
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+    def __repr__(self) -> str:
+        return f"GraphPool(graphs={self.graphs})"
+
 
 class GraphReplay:
     def __init__(self, fn: Callable[[dict], dict], device: torch.device, *, policy: str = "warn",
-                 alias_outputs: bool = False, state: Mapping[str, str] | None = None):
+                 alias_outputs: bool = False, state: Mapping[str, str] | None = None,
+                 pool: GraphPool | None = None):
         self.fn, self.device, self.policy, self.alias_outputs = fn, device, policy, alias_outputs
         self.state = dict(state or {})
         self._state_outputs = frozenset(self.state.values())
         self.enabled = True
-        self.calls = 0
+        self.calls = 0                  # calls, capture() included
+        self.replays = 0                # graph replays (the capture's own replay in call 2 included)
+        self.captures = 0               # graphs captured (more than 1: recaptured on other state tensors)
+        self.failure: str | None = None  # why the capture failed ("warn": running eagerly since)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_in: dict[str, torch.Tensor] = {}
         self.static_out: dict[str, torch.Tensor] = {}
+        self.pool: GraphPool | None = None
+        self._turns = _Turns()
+        if pool is not None:
+            self.use_pool(pool)
 
     @property
     def replaying(self) -> bool:
         return self.graph is not None
 
-    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict:
-        self.calls += 1
-        if self.graph is not None:
-            for n, t in inputs.items():
-                buf = self.static_in[n]
-                if t is not buf:
-                    buf.copy_(t, non_blocking=True)
-            self.graph.replay()
-            return self._outputs()
-        if self.enabled and self.calls >= 2:
-            try:
-                return self._capture(inputs)
-            except CompileError:
-                raise
-            except Exception as e:  # noqa: BLE001 - reported with its reason, per policy
-                self.graph = None
-                reason = " ".join(str(e).split())[:300]
-                if self.policy == "raise":
-                    raise CompileError(f"CUDA-graph capture failed: {type(e).__name__}: {reason}") from e
-                warnings.warn(f"fastpipe: CUDA-graph capture failed ({type(e).__name__}: {reason}); "
-                              "running without a graph", RuntimeWarning, stacklevel=3)
-                self.enabled = False
-        return self.fn(dict(inputs))
+    def use_pool(self, pool: GraphPool) -> None:
+        """Capture into `pool` (shared with its other replays, taking turns with them). Before the capture."""
+        if not isinstance(pool, GraphPool):
+            raise TypeError(f"pool: expected a GraphPool, found {type(pool).__name__}")
+        if self.graph is not None and pool is not self.pool:
+            raise ValueError("pool: expected it before the capture, found a graph captured already")
+        self.pool, self._turns = pool, pool.turns
 
-    def _capture(self, inputs) -> dict:
-        self.static_in = {n: t if n in self.state and t.device == self.device and t.is_contiguous()
-                          else t.to(self.device).clone() for n, t in inputs.items()}
-        torch.cuda.synchronize(self.device)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            self.static_out = dict(self.fn(dict(self.static_in)))
-        self.graph = g
-        g.replay()
-        return self._outputs()
+    # ------------------------------------------------------------------ calls
+    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict:
+        if self.graph is None and not self.enabled:       # capture failed ("warn"): eager, nothing shared
+            self.calls += 1
+            return self.fn(dict(inputs))
+        with self._turns.lock:
+            self.calls += 1
+            if self.graph is not None:
+                return self._replay(inputs)
+            if self.enabled and self.calls >= 2:
+                if self._try_capture(inputs, stacklevel=4):
+                    return self._replay(inputs)
+            return self.fn(dict(inputs))
+
+    def capture(self, inputs: Mapping[str, torch.Tensor]) -> bool:
+        """Capture fn on `inputs` now (a server's warm-up), so that the next call replays. The capture
+        runs nothing; fn must have run eagerly once before (compiles, allocator settles): if it never
+        ran, it runs once on `inputs` first (updating their state tensors). The state tensors of
+        `inputs` become the graph's buffers; a graph held already is kept when they are its buffers,
+        else captured anew. Returns whether a graph is held; a failure follows the policy (a
+        RuntimeWarning naming the reason, or CompileError), here."""
+        with self._turns.lock:
+            if not self.enabled:
+                return False
+            if self.graph is not None and self.captured_on(inputs):
+                return True
+            self.calls += 1
+            if self.calls == 1:
+                self.fn(dict(inputs))
+            return self._try_capture(inputs, stacklevel=3)
+
+    def captured_on(self, inputs: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the graph's state buffers are the state tensors of `inputs` (nothing to copy in)."""
+        return self.graph is not None and all(self.static_in.get(n) is t for n, t in inputs.items() if n in self.state)
+
+    # ------------------------------------------------------------------ inside
+    def _try_capture(self, inputs, *, stacklevel: int) -> bool:
+        try:
+            self._capture(inputs)
+            return True
+        except CompileError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported with its reason, per policy
+            self.graph, self.static_in, self.static_out = None, {}, {}
+            reason = " ".join(str(e).split())[:300]
+            self.failure = f"{type(e).__name__}: {reason}"
+            if self.policy == "raise":
+                raise CompileError(f"CUDA-graph capture failed: {self.failure}") from e
+            warnings.warn(f"fastpipe: CUDA-graph capture failed ({self.failure}); running without a graph",
+                          RuntimeWarning, stacklevel=stacklevel)
+            self.enabled = False
+            return False
+
+    def _capture(self, inputs) -> None:
+        self.graph, self.static_in, self.static_out = None, {}, {}     # a recapture lets the old graph go
+        static_in = {n: t if n in self.state and t.device == self.device and t.is_contiguous()
+                     else t.to(self.device).clone() for n, t in inputs.items()}
+        pool = None if self.pool is None else self.pool.handle()
+        with _CAPTURE_LOCK, torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, stream=_capture_stream(self.device),
+                                  capture_error_mode=CAPTURE_ERROR_MODE):
+                static_out = dict(self.fn(dict(static_in)))
+        self.graph, self.static_in, self.static_out = g, static_in, static_out
+        self.captures += 1
+        if self.pool is not None:
+            self.pool.graphs += 1
+
+    def _replay(self, inputs) -> dict:
+        stream = self._turns.begin(self.device)
+        for n, t in inputs.items():
+            buf = self.static_in[n]
+            if t is not buf:
+                buf.copy_(t, non_blocking=True)
+        self.graph.replay()
+        self.replays += 1
+        out = self._outputs()
+        self._turns.end(self.device, stream)
+        return out
 
     def _outputs(self) -> dict:
         out = self.static_out

@@ -10,7 +10,9 @@ once per process per distinct region and constants; a failure or a graph break w
 the region eagerly, or raises, by the policy; a recompile after warm-up is warned about). A comm
 group whose members span devices is a region of its own, run by the comm reference. When every
 region is on one GPU, the whole run is captured as one CUDA graph and replayed
-(fastpipe.runtime.graph_replay).
+(fastpipe.runtime.graph_replay): capture(inputs) captures it now (Session.compile does, at
+warm-up), else the second run captures it; `graph_pool` shares its memory pool with other sessions'
+graphs replayed one at a time (a serving set's buckets).
 
 Micro-batches (chunks) run one after another: on one device there is nothing to overlap.
 A failure inside a region is located by re-running that region's steps one at a time, eagerly,
@@ -78,10 +80,11 @@ class _RegionRun:
 class RegionProcessor:
     def __init__(self, program: Program, groups: Mapping, *, compile: bool = False, compile_policy: str = "warn",
                  cuda_graph: bool = True, merge_shards: bool = True, opaque_groups=(),
-                 state: Mapping[str, str] | None = None):
+                 state: Mapping[str, str] | None = None, graph_pool=None):
         """`groups`: the checked comm groups (kind, params); `opaque_groups`: groups whose bound
         callable must run as is (fused kernels) instead of their one-device function; `state`: input ->
-        its updated output, written into the input's tensor in the graph (fastpipe.runtime.state)."""
+        its updated output, written into the input's tensor in the graph (fastpipe.runtime.state);
+        `graph_pool`: a fastpipe.runtime.graph_replay.GraphPool for the CUDA graph (None: its own)."""
         from fastpipe.runtime.region_graph import stitch
         from fastpipe.runtime.region_passes import PassReport, optimize
 
@@ -125,7 +128,7 @@ class RegionProcessor:
         if cuda_graph and len(devices) == 1 and dev is not None and dev.type == "cuda":
             from fastpipe.runtime.graph_replay import GraphReplay
 
-            self.replay = GraphReplay(self._run_env, dev, policy=compile_policy, state=self.state)
+            self.replay = GraphReplay(self._run_env, dev, policy=compile_policy, state=self.state, pool=graph_pool)
 
     def _state_in_place(self, r: Region, gm) -> int:
         """Make the region write its state outputs into their input tensors (fastpipe.runtime.region_state)."""
@@ -180,7 +183,8 @@ class RegionProcessor:
         if self.state:
             how += f", {len(self.state)} state tensors updated in place ({self.in_place} by an in-place write)"
         if self.replay is not None:
-            how += ", replayed as one CUDA graph"
+            how += (", replayed as one CUDA graph" if self.replay.failure is None
+                    else f", CUDA-graph capture failed ({self.replay.failure}): run without a graph")
         return f"{', '.join(parts)}; {how}"
 
     def tune(self, inputs: Mapping[str, torch.Tensor]) -> None:
@@ -224,6 +228,16 @@ class RegionProcessor:
         return out
 
     # ------------------------------------------------------------------ running
+    def capture(self, inputs: Mapping[str, torch.Tensor]) -> bool:
+        """Capture the whole run as one CUDA graph now, on `inputs` (one dict, as run() takes), so the
+        next run replays it (GraphReplay.capture: the capture runs nothing; their state tensors become
+        the graph's buffers). Returns whether a graph is held: False without one here (not one GPU, or
+        cuda_graph=False) or after a failed capture (policy "warn": warned, with the reason)."""
+        if self.replay is None:
+            return False
+        with torch.inference_mode():
+            return self.replay.capture(inputs)
+
     def run(self, inputs, *, chunks: int = 1, trace: list | None = None):
         """`inputs`: one dict of named tensors, or (chunks > 1) a list with one per micro-batch."""
         parts = inputs if chunks > 1 else [inputs]

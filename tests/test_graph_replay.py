@@ -1,0 +1,389 @@
+"""fastpipe's CUDA-graph capture lifecycle (fastpipe.runtime.graph_replay), on the CPU.
+
+These tests check fastpipe's own logic, not CUDA: the torch.cuda pieces GraphReplay uses
+(CUDAGraph, graph, synchronize, graph_pool_handle, Stream, current_stream, Event, device) are
+replaced by small fakes. A fake capture records the "kernels" a function hands to `launch` instead
+of running them, and a fake replay runs them again on the tensors the capture saw, as a CUDA graph
+does; what the GPU does is tested by tests/test_graph_replay_gpu.py (marked `cuda`).
+"""
+import contextlib
+import threading
+import time
+
+import pytest
+import torch
+
+import fastpipe
+from fastpipe.errors import CompileError, InputError
+from fastpipe.options import RunOptions
+from fastpipe.runtime import graph_replay
+from fastpipe.runtime.graph_replay import GraphPool, GraphReplay
+from tests.examples import GRAPHS
+
+CPU = torch.device("cpu")
+
+
+class FakeCuda:
+    """The fakes' shared state: what each capture was given, and how many replays overlap."""
+
+    def __init__(self):
+        self.capturing = None            # (graph, thread id) of the capture under way
+        self.captures: list[dict] = []   # the keywords each torch.cuda.graph got
+        self.handles: list = []
+        self.delay = 0.0                 # seconds each replay takes
+        self.barrier: threading.Barrier | None = None
+        self.active = self.max_active = 0
+        self.guard = threading.Lock()
+        self.waits = 0                   # stream.wait_event calls
+
+    def launch(self, kernel):
+        """A kernel: recorded into the graph when this thread is capturing, else run now."""
+        if self.capturing is not None and self.capturing[1] == threading.get_ident():
+            self.capturing[0].kernels.append(kernel)
+        else:
+            kernel()
+
+
+class FakeGraph:
+    def __init__(self, fake):
+        self.fake, self.kernels, self.replays = fake, [], 0
+
+    def replay(self):
+        f = self.fake
+        with f.guard:
+            f.active += 1
+            f.max_active = max(f.max_active, f.active)
+        try:
+            if f.barrier is not None:
+                f.barrier.wait()
+            time.sleep(f.delay)
+            for k in self.kernels:
+                k()
+            self.replays += 1
+        finally:
+            with f.guard:
+                f.active -= 1
+
+
+class FakeStream:
+    def __init__(self, fake, device=None):
+        self.fake = fake
+
+    def wait_event(self, event):
+        self.fake.waits += 1
+
+
+class FakeEvent:
+    def record(self, stream):
+        self.stream = stream
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeCuda()
+    default = FakeStream(f)
+    local = threading.local()
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None, capture_error_mode="global"):
+        assert f.capturing is None, "two captures at once"
+        f.captures.append({"graph": g, "pool": pool, "stream": stream, "mode": capture_error_mode})
+        f.capturing = (g, threading.get_ident())
+        try:
+            yield
+        finally:
+            f.capturing = None
+
+    def handle():
+        f.handles.append(("pool", len(f.handles)))
+        return f.handles[-1]
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: FakeGraph(f))
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", handle)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(f, device))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: getattr(local, "stream", default))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(graph_replay, "_CAPTURE_STREAMS", {})
+    f.use_stream = lambda: setattr(local, "stream", FakeStream(f))     # this thread on a stream of its own
+    return f
+
+
+def doubling(fake, calls):
+    """fn(x) -> y = 2x, its one kernel handed to `launch`."""
+    def fn(ins):
+        calls.append(threading.get_ident())
+        x = ins["x"]
+        y = torch.empty_like(x)
+        fake.launch(lambda: torch.mul(x, 2, out=y))
+        return {"y": y}
+    return fn
+
+
+def accumulating(fake, calls):
+    """fn(x, c) -> c += x in place (state c -> c_new), y = c."""
+    def fn(ins):
+        calls.append(1)
+        x, c = ins["x"], ins["c"]
+        y = torch.empty_like(x)
+
+        def kernel():
+            c.add_(x)
+            y.copy_(c)
+        fake.launch(kernel)
+        return {"y": y, "c_new": c}
+    return fn
+
+
+def test_capture_at_warm_up_makes_every_call_a_replay(fake):
+    calls = []
+    r = GraphReplay(doubling(fake, calls), CPU)
+    assert r.capture({"x": torch.ones(4)}) and r.replaying
+    assert len(calls) == 2                         # an eager warm-up call (fn never ran), then the capture
+    assert r.graph.replays == 0                    # capturing runs nothing
+    for i in range(5):
+        x = torch.randn(4, generator=torch.Generator().manual_seed(i))
+        assert torch.equal(r({"x": x})["y"], 2 * x)
+    assert len(calls) == 2 and r.replays == r.graph.replays == 5     # never fn again: only replays
+    assert len(fake.captures) == r.captures == 1
+    assert fake.captures[0]["mode"] == "thread_local" and fake.captures[0]["pool"] is None
+    assert r.capture({"x": torch.ones(4)}) and r.captures == 1      # held: nothing to capture again
+
+
+def test_without_capture_the_second_call_captures(fake):
+    """The lazy path (no warm-up): call 1 eager, call 2 captures and replays, later calls replay."""
+    calls = []
+    r = GraphReplay(doubling(fake, calls), CPU)
+    xs = [torch.full((3,), float(i)) for i in range(4)]
+    outs = [r({"x": x})["y"] for x in xs]
+    assert [torch.equal(o, 2 * x) for o, x in zip(outs, xs)] == [True] * 4
+    assert len(calls) == 2 and r.captures == 1 and r.replays == 3
+
+
+def test_capture_after_warm_up_runs_nothing_and_takes_the_callers_state(fake):
+    calls = []
+    r = GraphReplay(accumulating(fake, calls), CPU, state={"c": "c_new"})
+    r({"x": torch.ones(2), "c": torch.zeros(2)})                    # the eager warm-up (on other tensors)
+    cache = torch.zeros(2)
+    assert r.capture({"x": torch.ones(2), "c": cache})
+    assert len(calls) == 2 and torch.equal(cache, torch.zeros(2))   # captured, not run: the cache is untouched
+    assert r.static_in["c"] is cache and r.captured_on({"x": torch.ones(2), "c": cache})
+    out = r({"x": torch.full((2,), 3.0), "c": cache})
+    assert out["c_new"] is cache and torch.equal(cache, torch.full((2,), 3.0))   # updated once, in place
+    assert torch.equal(out["y"], cache) and out["y"] is not cache
+    other = torch.zeros(2)                                          # other state tensors: captured anew on them
+    assert r.capture({"x": torch.ones(2), "c": other}) and r.captures == 2 and r.static_in["c"] is other
+    assert r.capture({"x": torch.ones(2), "c": other}) and r.captures == 2
+    assert len(calls) == 3
+
+
+def test_outputs_stay_valid_after_the_next_call_unless_aliased(fake):
+    r = GraphReplay(doubling(fake, []), CPU)
+    r.capture({"x": torch.zeros(3)})
+    x1, x2 = torch.full((3,), 1.0), torch.full((3,), 5.0)
+    o1 = r({"x": x1})["y"]
+    o2 = r({"x": x2})["y"]
+    assert torch.equal(o1, 2 * x1) and torch.equal(o2, 2 * x2)
+    a = GraphReplay(doubling(fake, []), CPU, alias_outputs=True)
+    a.capture({"x": torch.zeros(3)})
+    o1 = a({"x": x1})["y"]
+    assert o1 is a.static_out["y"] and torch.equal(o1, 2 * x1)
+    a({"x": x2})
+    assert torch.equal(o1, 2 * x2)                  # alias_outputs: valid only until the next call
+
+
+def test_one_pool_handle_reaches_every_capture_of_the_pool(fake):
+    pool = GraphPool()
+    assert fake.handles == []                       # made at the first capture, not before
+    a = GraphReplay(doubling(fake, []), CPU, pool=pool)
+    b = GraphReplay(doubling(fake, []), CPU)
+    b.use_pool(pool)
+    solo = GraphReplay(doubling(fake, []), CPU)
+    for r in (a, b, solo):
+        r.capture({"x": torch.zeros(2)})
+    assert len(fake.handles) == 1 and pool.graphs == 2
+    assert [c["pool"] for c in fake.captures] == [fake.handles[0], fake.handles[0], None]
+    assert {id(c["stream"]) for c in fake.captures} == {id(fake.captures[0]["stream"])}   # one capture stream
+    assert {c["mode"] for c in fake.captures} == {"thread_local"}
+    with pytest.raises(ValueError, match="before the capture"):
+        solo.use_pool(pool)
+
+
+def _hammer(r, seeds, results):
+    for s in seeds:
+        x = torch.full((8,), float(s))
+        results.append(torch.equal(r({"x": x})["y"], 2 * x))
+
+
+def test_two_threads_on_one_replay_take_turns(fake):
+    """Copy-in, replay and copy-out of one call never interleave with another thread's: each thread
+    gets its own inputs doubled, and no two replays overlap."""
+    r = GraphReplay(doubling(fake, []), CPU)
+    r.capture({"x": torch.zeros(8)})
+    fake.delay = 0.002
+    results = []
+    threads = [threading.Thread(target=_hammer, args=(r, range(k, 200, 2), results)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 200 and all(results) and fake.max_active == 1
+
+
+def test_a_pool_serialises_its_replays_and_other_pools_run_alongside(fake):
+    pool = GraphPool()
+    shared = [GraphReplay(doubling(fake, []), CPU, pool=pool) for _ in range(2)]
+    apart = [GraphReplay(doubling(fake, []), CPU) for _ in range(2)]
+    for r in shared + apart:
+        r.capture({"x": torch.zeros(8)})
+    fake.delay, results = 0.002, []
+    threads = [threading.Thread(target=_hammer, args=(r, range(20), results)) for r in shared]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert fake.max_active == 1 and all(results)
+    fake.barrier = threading.Barrier(2, timeout=10)         # both replays must be inside at once to pass
+    threads = [threading.Thread(target=_hammer, args=(r, range(1), results)) for r in apart]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert fake.max_active == 2 and len(results) == 42 and all(results)
+
+
+def test_a_call_from_another_stream_waits_for_the_last_ones_work(fake):
+    r = GraphReplay(doubling(fake, []), CPU)
+    r.capture({"x": torch.zeros(2)})
+    r({"x": torch.ones(2)})
+    r({"x": torch.ones(2)})
+    assert fake.waits == 0                                   # one stream: ordered already
+    t = threading.Thread(target=lambda: (fake.use_stream(), r({"x": torch.ones(2)})))
+    t.start()
+    t.join()
+    assert fake.waits == 1
+
+
+def test_another_thread_replays_while_one_captures(fake):
+    """A capture holds the process's capture lock, not the replays' locks: another replay goes on."""
+    ready = GraphReplay(doubling(fake, []), CPU)
+    ready.capture({"x": torch.zeros(2)})
+    inside, done = threading.Event(), threading.Event()
+
+    def slow(ins):
+        if fake.capturing is not None:
+            inside.set()
+            assert done.wait(10), "the other thread's replays did not go on during the capture"
+        return doubling(fake, [])(ins)
+
+    late = GraphReplay(slow, CPU)
+    late({"x": torch.zeros(2)})
+    t = threading.Thread(target=late.capture, args=({"x": torch.zeros(2)},))
+    t.start()
+    assert inside.wait(10)
+    for i in range(3):
+        x = torch.full((2,), float(i))
+        assert torch.equal(ready({"x": x})["y"], 2 * x)     # replayed and eager work of other threads is not captured
+    done.set()
+    t.join()
+    assert late.replaying and len(late.graph.kernels) == 1 and len(ready.graph.kernels) == 1
+
+
+def test_a_capture_failure_is_reported_at_capture(fake):
+    def breaks(ins):
+        if fake.capturing is not None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return {"y": ins["x"] * 2}
+
+    r = GraphReplay(breaks, CPU)
+    with pytest.warns(RuntimeWarning, match=r"CUDA-graph capture failed \(RuntimeError: operation not permitted"):
+        assert r.capture({"x": torch.ones(2)}) is False
+    assert not r.replaying and r.failure.startswith("RuntimeError")
+    assert torch.equal(r({"x": torch.ones(2)})["y"], torch.full((2,), 2.0))      # eager from then on
+    assert r.capture({"x": torch.ones(2)}) is False and len(fake.captures) == 1
+    strict = GraphReplay(breaks, CPU, policy="raise")
+    with pytest.raises(CompileError, match="^CUDA-graph capture failed: RuntimeError: operation not permitted"):
+        strict.capture({"x": torch.ones(2)})
+
+
+def test_graph_pool_option_is_checked():
+    with pytest.raises(InputError, match="^graph_pool: expected a fastpipe.runtime.graph_replay.GraphPool or None, "
+                                         "found str$"):
+        RunOptions(graph_pool="shared")
+    pool = GraphPool()
+    assert RunOptions(graph_pool=pool).graph_pool is pool
+
+
+def test_session_compile_captures_so_the_first_run_replays(fake):
+    """Plumbing only: Session.compile reaches the processor's GraphReplay and captures it at warm-up.
+    A CPU region processor has no replay, so one with the fakes is put in; the fake capture of the real
+    region function records no kernels, so the values are not checked here (the GPU test does)."""
+    sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="region", graph_pool=GraphPool())
+    assert sess.runner.replay is None and sess.capture() is False
+    calls = []
+    inner = sess.runner._run_env
+    sess.runner.replay = r = GraphReplay(lambda ins: (calls.append(1), inner(ins))[1], CPU,
+                                         pool=sess.run_options.graph_pool)
+    sess.compile()
+    assert r.replaying and len(calls) == 2 and r.replays == 0    # warm-up run, then the capture
+    sess.run({"x": torch.randn(8, 64)})
+    assert len(calls) == 2 and r.replays == 1                   # the first run replays
+    assert sess.capture() and r.captures == 1
+    assert "replayed as one CUDA graph" in sess.describe()
+
+
+SET = GRAPHS.parent / "tests" / "data" / "serving" / "llama_tp2"
+
+
+def test_buckets_warm_up_largest_first_in_one_pool_on_the_engines_caches(monkeypatch):
+    """Order and plumbing only (a CPU has no graph to capture, so every bucket is made to look as if it
+    had one): the buckets share one GraphPool, warm up largest first (batch x length of input_ids), and
+    the engine's decode bucket is captured on the engine's own caches."""
+    from fastpipe.generation.buckets import ServingBuckets
+    from fastpipe.generation.engine import Engine
+    from fastpipe.session import Session
+
+    seen = []
+    monkeypatch.setattr(Session, "_graph_replays", lambda self: [object()])
+    monkeypatch.setattr(Session, "compile", lambda self, inputs=None, capture=True: seen.append((self, inputs, capture)))
+    with Engine(SET, eos_token_id=None, compile=False) as eng:
+        bs = eng.buckets
+        assert [s for s, *_ in seen] == bs.by_size() == [bs.prefills[(2, 8)], bs.decodes[2]]
+        assert seen[0][1:] == (None, True)                          # a prefill: captured on its seeded inputs
+        assert seen[1][2] and all(seen[1][1][n] is t for n, t in eng.kv.tensors.items())
+        assert isinstance(bs.graph_pool, GraphPool)
+        assert all(s.run_options.graph_pool is bs.graph_pool for s in bs.sessions())
+        seen.clear()
+        eng.buckets.decodes[2].compile_report = None
+        eng.buckets.warmup()             # no caches given: the decode bucket is not captured on seeded ones
+        assert [(s, c) for s, _, c in seen] == [(bs.prefills[(2, 8)], True)]
+    mine = GraphPool()
+    for kw in ({"graph_pool": mine}, {"run_options": RunOptions(processor="region", graph_pool=mine)}):
+        bs = ServingBuckets(SET, **kw)
+        assert bs.graph_pool is mine and all(s.run_options.graph_pool is mine for s in bs.sessions())
+        bs.close()
+    bs = ServingBuckets(SET, run_options=RunOptions(processor="region"))
+    assert isinstance(bs.graph_pool, GraphPool) and all(s.run_options.graph_pool is bs.graph_pool for s in bs.sessions())
+    bs.close()
+
+
+def test_a_capture_failing_at_compile_warns_there_and_describe_says_so(fake):
+    """Never silent: a warm-up capture failure is reported by compile() (policy "warn"), describe() names
+    it, and runs go on eagerly with the reference's outputs."""
+    path = GRAPHS / "tp_mlp" / "pipeline.json"
+    sess = fastpipe.load(path, processor="region")
+    inner = sess.runner._run_env
+
+    def breaks(ins):
+        if fake.capturing is not None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return inner(ins)
+
+    sess.runner.replay = GraphReplay(breaks, CPU)
+    with pytest.warns(RuntimeWarning, match=r"CUDA-graph capture failed \(RuntimeError: operation not permitted"):
+        sess.compile()
+    assert "CUDA-graph capture failed (RuntimeError: operation not permitted" in sess.describe()
+    x = torch.randn(8, 64)
+    torch.testing.assert_close(sess.run({"x": x})["y"], fastpipe.load(path).run({"x": x})["y"])
