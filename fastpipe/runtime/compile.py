@@ -1,7 +1,18 @@
-"""torch.compile for fx supertasks: once per distinct graph and device per process, never silently.
+"""torch.compile for fx supertasks: once per distinct graph, constants and device per process, never silently.
 
-Identical payloads (tensor-parallel replicas, buckets of one model) share one compiled
-graph: the key is the payload's hash and the device. Compilation happens at warm-up
+Identical graphs share one compiled graph: tensor-parallel replicas and buckets of one model on one
+device, and sessions over one pipeline and one WeightStore. The key is the payload's hash, the
+device, the compile policy and the IDENTITY of the graph's bound constants (its parameters,
+buffers and get_attr targets): the text alone does not say what a constant loaded from a file
+(`constant_saved_info.param_files`) holds, so two pipelines with the same graph text and other
+constants get a compiled graph each. A graph with no constants of its own (weights are pipeline
+tensors, passed as inputs) is keyed by its text and device alone. The cache holds its entries
+weakly: the sessions' steps (and `Binder.compiled`) hold them, so closing every session that uses a
+compiled graph frees it, its module and its constants. An entry keeps its constants alive (its
+module holds them), so their ids cannot be reused while it can be found; a lookup also checks that
+they are the very objects asked for.
+
+Compilation happens at warm-up
 (`Session.compile()`: one whole run on seeded inputs, so every graph sees the same kinds of
 tensors - constants, pipeline inputs, inference-mode intermediates - as real runs and its
 guards hold), so compile time is reported apart from run time. If a graph cannot
@@ -17,6 +28,7 @@ import logging
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +38,8 @@ from fastpipe.torch_compat import unique_graphs as _unique_graphs
 
 log = logging.getLogger("fastpipe")
 
-_CACHE: dict[tuple[str, str], "CompiledGraph"] = {}
+# (payload hash, device, policy, ((constant name, id), ...)) -> CompiledGraph, while something holds it
+_CACHE: "weakref.WeakValueDictionary[tuple, CompiledGraph]" = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
 
 
@@ -34,12 +47,27 @@ def payload_key(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def bound_constants(gm: torch.nn.Module) -> tuple[tuple[str, object], ...]:
+    """The objects a graph module reads besides its inputs, by name: parameters, buffers and the
+    targets of get_attr nodes (plain tensor attributes too)."""
+    out: dict[str, object] = dict(gm.named_parameters())
+    out.update(gm.named_buffers())
+    graph = getattr(gm, "graph", None)
+    for n in (graph.nodes if graph is not None else ()):
+        if n.op == "get_attr" and n.target not in out:
+            obj = gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part, None)
+            out[n.target] = obj
+    return tuple(sorted(out.items(), key=lambda kv: kv[0]))
 
 
 class CompiledGraph:
     """A graph compiled with inductor; falls back to eager only by the policy, with a warning."""
 
     def __init__(self, gm: torch.nn.Module, where: str, policy: str, what: str = "supertask"):
+        # the constants it was made for (its module holds the same objects): the cache checks them
+        self.constants = tuple(obj for _, obj in bound_constants(gm))
         # the decoder builds lazy GraphModules (code generated on first use), which dynamo will not
         # trace: compile a regular GraphModule over the same validated graph and the same buffers
         gm = torch.fx.GraphModule(gm, gm.graph)
@@ -89,15 +117,28 @@ class CompiledGraph:
 
 
 def compiled_graph(text: str, gm: torch.nn.Module, device: torch.device, where: str, policy: str) -> CompiledGraph:
-    key = (payload_key(text), str(device))
+    """The compiled graph for `gm` (whose payload is `text`) on `device`: shared with every live caller
+    that passed the same text, device, policy and constant objects; made (not yet compiled) otherwise.
+    The caller holds it: the cache does not keep it alive."""
+    consts = bound_constants(gm)
+    key = (payload_key(text), str(device), policy, tuple((name, id(obj)) for name, obj in consts))
     with _LOCK:
-        if key not in _CACHE:
-            _CACHE[key] = CompiledGraph(gm, where, policy)
-        return _CACHE[key]
+        cg = _CACHE.get(key)
+        if cg is None or len(cg.constants) != len(consts) or any(a is not b for a, (_, b) in zip(cg.constants, consts)):
+            cg = CompiledGraph(gm, where, policy)
+            _CACHE[key] = cg
+        return cg
+
+
+def live_graphs() -> int:
+    """Compiled graphs some session still holds (the cache's live entries)."""
+    with _LOCK:
+        return len(_CACHE)
 
 
 def clear_cache() -> None:
-    """Forget compiled graphs (tests; also frees their memory)."""
+    """Forget compiled graphs: later callers compile anew (tests). Memory is freed when the
+    sessions holding them close."""
     with _LOCK:
         _CACHE.clear()
 
