@@ -10,9 +10,12 @@ Which launch covers what (each launch costs seconds, so they are few and each do
            that fails, `--nproc 2` with micro-batches;
            a zoo of every comm kind in narrow and odd dtypes (bf16 avg, i16, bool, f8) on 3 slots,
            two of them sharing a rank (generic path);
+  3 ranks  the zoo in member order (native path, the chunks already where the one-tensor
+           collectives want them: no copies);
   4 ranks  moe_all_to_all with slots permuted over ranks; the zoo on 3 slots permuted over
            ranks 1..3 with rank 0 idle (native path); the builder pipeline through the Python
            API with chunks and a trace.
+Every comm kind on a real one-rank group, NCCL and gloo, in-process: tests/test_dist_nccl_gpu.py.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import fastpipe
 from fastpipe.cli import dist as cli_dist
 from fastpipe.errors import InputError
 from fastpipe.runtime import dist_setup
-from fastpipe.runtime.dist_processor import _acc, _Group, _unwire, _wire
+from fastpipe.runtime.dist_processor import _acc, _Group, _stacked, _unstacked, _unwire, _wire, reduce_dtype
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 ROOT = GRAPHS.parent
@@ -120,11 +123,12 @@ def _zoo(folder: Path) -> Path:
     a.comm("reduce_scatter", "rs_min", m("e", "rn"), reduce_op="min", dim=0)
     a.comm("reduce", "red_max", [(s, [f"b{s}"], ["rmax"] if s == "2" else []) for s in "012"], reduce_op="max", dst="2")
     a.comm("all_gather", "ag_f8", m("d", "ag"), dim=1)
+    a.comm("all_gather", "ag_rows", m("e", "ag0"), dim=0)
     a.comm("all_to_all", "a2a", m("a", "aa"), src_dim=0, dst_dim=1)
     a.comm("gather", "ga", [(s, [f"c{s}"], ["gat"] if s == "1" else []) for s in "012"], dim=0, dst="1")
     a.comm("broadcast", "bc", [(s, ["d1"] if s == "1" else [], [f"bc{s}"]) for s in "012"], src="1")
     a.send_recv("p2p", "2", "b2", "0", "sr0")
-    outs = [f"{o}{s}" for o in ("ar", "or", "rs", "rn", "ag", "aa", "bc") for s in "012"] + ["rmax", "gat", "sr0"]
+    outs = [f"{o}{s}" for o in ("ar", "or", "rs", "rn", "ag", "ag0", "aa", "bc") for s in "012"] + ["rmax", "gat", "sr0"]
     a.output(outs)
     path = folder / "zoo.json"
     path.write_text(json.dumps(a.to_json()))
@@ -142,6 +146,7 @@ def _zoo(folder: Path) -> Path:
 
 @pytest.mark.parametrize("nproc, slot_ranks", [
     (4, "0=3,1=1,2=2"),     # native: member i on sub-group rank (2, 0, 1)[i]; rank 0 idle, still gathers the outputs
+    (3, "0=0,1=1,2=2"),     # native in member order: dim-0 chunks go as views of the input, no copy
     (2, "0=1,1=0,2=1"),     # generic: slots 0 and 2 share rank 1 (the send/recv pair is local there)
 ])
 def test_every_comm_kind(tmp_path, nproc, slot_ranks):
@@ -303,6 +308,8 @@ def test_nproc_launches_micro_batches(tmp_path):
 
 @pytest.mark.cuda
 def test_world_size_1_nccl(tmp_path):
+    """The CLI on one NCCL rank. Its groups have every member on rank 0, so they run the reference
+    ("local"), not a collective: tests/test_dist_nccl_gpu.py runs every kind on NCCL."""
     g = GRAPHS / "tp_mlp"
     out = tmp_path / "o"
     out.mkdir()
@@ -357,6 +364,92 @@ def test_wire_and_accumulation_dtypes():
     assert _acc(torch.ones(2, dtype=torch.int16)).dtype == torch.int32
     x = torch.ones(2)
     assert _acc(x) is not x
+    assert _acc(torch.ones(2, dtype=torch.bfloat16), nccl=True).dtype == torch.bfloat16
+
+
+def test_reduce_dtype_on_the_wire():
+    """NCCL reduces f16/bf16 as they are; gloo (CPU) in f32, rounded once like the reference; f8 has
+    no NCCL reduction in torch; neither backend has i16; bool goes as u8."""
+    f8 = torch.float8_e4m3fn
+    for dt, nccl, gloo in [(torch.bfloat16, torch.bfloat16, torch.float32), (torch.float16, torch.float16, torch.float32),
+                           (f8, torch.float32, torch.float32), (torch.bool, torch.uint8, torch.uint8),
+                           (torch.int16, torch.int32, torch.int32), (torch.float32, torch.float32, torch.float32),
+                           (torch.int64, torch.int64, torch.int64)]:
+        assert (reduce_dtype(dt, True), reduce_dtype(dt, False)) == (nccl, gloo), dt
+
+
+def test_one_tensor_collectives_copy_only_when_they_must():
+    x = torch.arange(24.).reshape(6, 4)
+    s = _stacked(x, 0, 3, [0, 1, 2], torch.float32)          # dim 0, member order: a view
+    assert s.shape == (3, 2, 4) and s.data_ptr() == x.data_ptr()
+    for dim, order, dtype in [(-2, [0, 1, 2], torch.float32), (0, [2, 0, 1], torch.float32), (1, [1, 0], torch.float32),
+                              (0, [0, 1, 2], torch.float64)]:
+        n = len(order)
+        s = _stacked(x, dim, n, order, dtype)
+        chunks = x.split(x.shape[dim] // n, dim=dim)
+        assert s.dtype == dtype and s.is_contiguous()
+        assert all(torch.equal(s[k], chunks[i].to(dtype)) for k, i in enumerate(order)), (dim, order)
+        if (dim % 2, order) == (0, [0, 1, 2]) and dtype == torch.float32:
+            assert s.data_ptr() == x.data_ptr()
+        else:
+            assert s.data_ptr() != x.data_ptr()
+    t = torch.arange(24.).reshape(3, 2, 4)
+    u = _unstacked(t, 0, [0, 1, 2])
+    assert u.shape == (6, 4) and u.data_ptr() == t.data_ptr()
+    assert torch.equal(_unstacked(t, 0, [2, 0, 1]), torch.cat([t[2], t[0], t[1]], 0))
+    assert torch.equal(_unstacked(t, -1, [1, 2, 0]), torch.cat([t[1], t[2], t[0]], 1))
+
+
+def _plan(rank, local_rank, types, ranks, backend):
+    devices = {s: torch.device("cuda", local_rank) if ranks[s] == rank and t == "cuda" else torch.device("cpu")
+               for s, t in types.items()}
+    return dist_setup.RankPlan(rank, 2, local_rank, ranks, types, devices, backend)
+
+
+def test_only_a_rank_with_a_cuda_slot_sets_a_device(monkeypatch):
+    """Mixed slots on a one-GPU machine: rank 0 (cuda:0) and rank 1 (LOCAL_RANK 1, CPU slots only).
+    Only rank 0 calls set_device; device_id (eager NCCL init, a collective over the world) only when
+    every rank uses a GPU (pure NCCL, an idle rank included)."""
+    import torch.distributed as tdist
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(tdist, "is_initialized", lambda: False)
+    monkeypatch.setattr(tdist, "init_process_group",
+                        lambda backend, **kw: calls.append(("init", backend, kw.get("device_id", "absent"))))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    mixed, types, ranks = "cpu:gloo,cuda:nccl", {"0": "cuda", "1": "cpu"}, {"0": 0, "1": 1}
+    cases = [
+        (_plan(1, 1, types, ranks, mixed), None, [("init", mixed, "absent")]),
+        (_plan(0, 0, types, ranks, mixed), torch.device("cuda", 0),
+         [("set_device", torch.device("cuda", 0)), ("init", mixed, "absent")]),
+        (_plan(1, 1, {"0": "cuda", "1": "cuda"}, {"0": 0, "1": 0}, "nccl"), torch.device("cuda", 1),    # idle rank
+         [("set_device", torch.device("cuda", 1)), ("init", "nccl", torch.device("cuda", 1))]),
+    ]
+    for plan, dev, want in cases:
+        calls.clear()
+        assert dist_setup.rank_cuda_device(plan) == dev
+        assert dist_setup.init_process_group(plan) is True
+        assert calls == want, (plan, calls)
+
+
+def test_make_plan_on_a_one_gpu_machine(monkeypatch):
+    """LOCAL_RANK 1 with one GPU: fine when the rank holds only CPU slots, refused when it holds a CUDA one."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    p = SimpleNamespace(devices={"0": "cuda:0", "1": "cpu:0"})
+    devs = {"0": torch.device("cuda", 0), "1": torch.device("cpu")}
+    plan = dist_setup.make_plan(p, devs, None)
+    assert plan.backend == "cpu:gloo,cuda:nccl" and plan.local_slots == ("1",)
+    assert plan.slot_devices == {"0": torch.device("cpu"), "1": torch.device("cpu")}
+    assert dist_setup.rank_cuda_device(plan) is None
+    with pytest.raises(InputError, match=r"environment LOCAL_RANK: expected 0\.\.0 \(one GPU per rank\), found 1"):
+        dist_setup.make_plan(p, devs, {"0": 1, "1": 0})
 
 
 def test_member_order_vs_subgroup_order():

@@ -13,17 +13,21 @@ A comm group runs one of three ways on a rank that has a member:
   local    every member on this rank: the plain-torch reference (fastpipe.comm), as the cpu
            processor does;
   native   every member on its own rank: one torch.distributed collective on the group's
-           sub-group (created once, at setup, by every rank): all_reduce, all_gather,
-           reduce_scatter, all_to_all, reduce, gather, broadcast, send/recv;
+           sub-group (created once, at setup, by every rank): all_reduce, all_gather_single,
+           reduce_scatter_single, all_to_all_single (one tensor in, one out: the chunks along
+           dim 0 as they are, or moved there in one copy), reduce, gather, broadcast, send/recv;
   generic  some rank holds several members: each member's input is broadcast from its rank
            to the sub-group, in member order, and every rank computes its own members'
            outputs with the reference.
-Numerics of native reductions: f16/bf16/f8 are reduced in float32 and rounded once, as the
-reference does (twice the bytes on the wire); bool reduces as uint8 (sum/max = or, min = and),
-i16 in i32 (wrapping as the reference does). avg is AVG on NCCL, sum then divide on gloo. The
-summation order is the backend's (ring/tree), not the reference's left fold, so float results
-agree within rounding, not bitwise. Data moves of dtypes the backends lack (i16, f8) travel as
-same-width views (f16, u8).
+Numerics of native reductions (reduce_dtype): on NCCL f16/bf16 are reduced in their own dtype
+(the bytes of the data, no upcast; NCCL's ring/tree keeps partial sums in that dtype, so a sum
+over n ranks rounds up to n-1 times where the reference rounds once); f8 (torch has no NCCL f8
+reduction), and every narrow float on gloo (CPU: kept as close to the reference as it costs
+little), are reduced in float32 and rounded once, as the reference does. bool reduces as uint8
+(sum/max = or, min = and), i16 (in neither backend) in i32, wrapping as the reference does. avg is
+AVG on NCCL, sum then divide on gloo. The summation order is the backend's (ring/tree), not the
+reference's left fold, so float results agree within rounding, not bitwise. Data moves of dtypes
+the backends lack (i16, f8) travel as same-width views (f16, u8).
 
 Outputs: every pipeline output is sent to rank 0 (point to point, from the rank of the slot
 that produced it); Session.run returns all outputs on rank 0 and {} on every other rank.
@@ -47,7 +51,7 @@ from fastpipe import dtypes
 from fastpipe.errors import FastpipeError, InputError, RunError
 from fastpipe.lower.check import simulate
 from fastpipe.lower.program import Program, Step
-from fastpipe.runtime.dist_setup import RankPlan, init_process_group, make_subgroups
+from fastpipe.runtime.dist_setup import RankPlan, init_process_group, make_subgroups, rank_cuda_device
 from fastpipe.runtime.execute import run_compute, run_group, step_args
 
 _WIRE = {torch.int16: torch.float16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
@@ -66,15 +70,57 @@ def _unwire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.view(dtype) if t.dtype != dtype else t
 
 
-def _acc(x: torch.Tensor) -> torch.Tensor:
-    """A fresh buffer to reduce in: narrow floats in f32, bool as u8, i16 in i32 (see module doc)."""
-    if x.dtype.is_floating_point and x.dtype.itemsize < 4:
-        return x.to(torch.float32)
-    if x.dtype == torch.bool:
-        return x.to(torch.uint8)
-    if x.dtype == torch.int16:
-        return x.to(torch.int32)
-    return x.clone(memory_format=torch.contiguous_format)
+def reduce_dtype(dtype: torch.dtype, nccl: bool) -> torch.dtype:
+    """The dtype a native reduction of `dtype` runs in (on the wire too): f16/bf16 as they are on
+    NCCL; other narrow floats (f8: torch has no NCCL f8 reduction), and every narrow float on gloo,
+    in f32; bool as u8; i16 (in neither backend) in i32; any other dtype as it is."""
+    if dtype == torch.bool:
+        return torch.uint8
+    if dtype == torch.int16:
+        return torch.int32
+    if dtype.is_floating_point and dtype.itemsize < 4:
+        return dtype if nccl and dtype in (torch.float16, torch.bfloat16) else torch.float32
+    return dtype
+
+
+def _acc(x: torch.Tensor, nccl: bool = False) -> torch.Tensor:
+    """A fresh contiguous buffer to reduce in, in reduce_dtype (one copy, the cast included)."""
+    return x.to(reduce_dtype(x.dtype, nccl), copy=True, memory_format=torch.contiguous_format)
+
+
+def _stacked(x: torch.Tensor, dim: int, n: int, order, dtype: torch.dtype) -> torch.Tensor:
+    """(n, *chunk) in `dtype`: row k is x's chunk order[k] of n along `dim` (what a one-tensor
+    collective sends to sub-group rank k). A view of x when it already is that (dim 0, order
+    0..n-1, contiguous, same dtype); otherwise one copy, the cast included."""
+    dim %= x.dim()
+    m = x.shape[dim] // n
+    if dim == 0 and list(order) == list(range(n)) and x.dtype == dtype and x.is_contiguous():
+        return x.view(n, m, *x.shape[1:])
+    chunks = x.split(m, dim=dim)
+    out = torch.empty((n, *chunks[0].shape), dtype=dtype, device=x.device)
+    for k, i in enumerate(order):
+        out[k].copy_(chunks[i])
+    return out
+
+
+def _unstacked(t: torch.Tensor, dim: int, order) -> torch.Tensor:
+    """cat(t[order[0]], t[order[1]], ..., dim): a view of t for dim 0 in order 0..n-1, else one copy."""
+    dim %= t.dim() - 1
+    if dim == 0 and list(order) == list(range(t.shape[0])):
+        return t.flatten(0, 1)
+    return torch.cat([t[j] for j in order], dim=dim)
+
+
+def _reduce_scatter_single(out, inp, op, group):
+    # `inp`: the n chunks concatenated along dim 0 (gloo refuses the stacked (n, *chunk) form NCCL takes).
+    # torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor: deprecated); older torch only the latter
+    f = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return f(out, inp, op=op, group=group)
+
+
+def _all_gather_single(out, inp, group):
+    f = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return f(out, inp, group=group)
 
 
 def _reduce_op(op: str, dtype: torch.dtype, nccl: bool):
@@ -94,7 +140,7 @@ class _Group:
     ranks: tuple[int, ...]               # rank of each member
     mode: str                            # "local" | "native" | "generic"
     pg: object                           # process group (None for local)
-    device: torch.device                 # where its tensors travel: cuda:LOCAL_RANK (NCCL) or cpu (gloo)
+    device: torch.device                 # where its tensors travel: this rank's GPU (NCCL) or cpu (gloo)
     steps: tuple[Step, ...]              # the member steps of the bound Program
     fn: object                           # the group's callable (local and generic modes)
     out_meta: tuple = ()                 # per member: ((shape, dtype) of each output)
@@ -146,7 +192,7 @@ class DistProcessor:
             rset = tuple(sorted(set(ranks)))
             mode = "local" if len(rset) == 1 else ("native" if len(rset) == len(ranks) else "generic")
             cuda = all(plan.slot_types[s] == "cuda" for s in slots)
-            dev = torch.device("cuda", plan.local_rank) if cuda else torch.device("cpu")
+            dev = rank_cuda_device(plan) if cuda else torch.device("cpu")
             self.groups[cg.name] = _Group(cg.name, cg.kind, dict(cg.params), tuple(cg.members), slots, ranks, mode,
                                           pgs.get(rset), dev, tuple(program.members(cg.name)),
                                           program.group_fns[cg.name],
@@ -158,7 +204,7 @@ class DistProcessor:
         for n in self.outputs:
             prod = [s for s in checked.flow.producers.get(n, []) if p.supertasks[s].device is not None]
             self.out_rank[n] = plan.slot_ranks[p.supertasks[prod[0]].device] if prod else 0
-        self.out_device = torch.device("cuda", plan.local_rank) if plan.backend == "nccl" else torch.device("cpu")
+        self.out_device = rank_cuda_device(plan) if plan.backend == "nccl" else torch.device("cpu")
         consumers = checked.flow.consumers
         self.needed_inputs = tuple(
             n for n in p.input_names
@@ -376,27 +422,27 @@ def _native(g: _Group, me: int, x: torch.Tensor | None, nccl: bool) -> list[torc
         return [_recv_like(g, me, lambda b: dist.broadcast(b, src=g.ranks[src], group=pg))]
     if kind in ("all_reduce", "reduce", "reduce_scatter"):
         op = prm["reduce_op"]
-        buf = _acc(x)
         rop = _reduce_op(op, x.dtype, nccl)
         if kind == "all_reduce":
+            buf = _acc(x, nccl)                      # reduced in place: a fresh buffer
             dist.all_reduce(buf, op=rop, group=pg)
         elif kind == "reduce":
+            buf = _acc(x, nccl)
             dist.reduce(buf, dst=g.ranks[prm["dst"]], op=rop, group=pg)
             if me != prm["dst"]:
                 return []
-        else:
-            dim = prm["dim"]
-            chunks = [c.contiguous() for c in buf.split(buf.shape[dim] // n, dim=dim)]
-            buf = torch.empty_like(chunks[me])
-            dist.reduce_scatter(buf, [chunks[g.at(k)] for k in range(n)], op=rop, group=pg)
+        else:                                        # x is only read: no copy when its chunks are in place
+            inp = _stacked(x, prm["dim"], n, [g.at(k) for k in range(n)], reduce_dtype(x.dtype, nccl))
+            buf = torch.empty(inp.shape[1:], dtype=inp.dtype, device=inp.device)
+            _reduce_scatter_single(buf, inp.flatten(0, 1), rop, pg)     # the chunks concatenated along dim 0
         if op == "avg" and not nccl:
             buf = buf / n
         return [buf.to(x.dtype)]
     if kind == "all_gather":
         xw = _wire(x)
-        got = [torch.empty_like(xw) for _ in range(n)]
-        dist.all_gather(got, xw, group=pg)
-        return [torch.cat([_unwire(got[g.gr(i)], x.dtype) for i in range(n)], dim=prm["dim"])]
+        got = torch.empty((n, *xw.shape), dtype=xw.dtype, device=xw.device)
+        _all_gather_single(got.flatten(0, 1) if xw.dim() else got, xw, pg)   # gloo: concatenated, not stacked
+        return [_unstacked(_unwire(got, x.dtype), prm["dim"], [g.gr(i) for i in range(n)])]
     if kind == "gather":
         xw, dst = _wire(x), prm["dst"]
         got = [torch.empty_like(xw) for _ in range(n)] if me == dst else None
@@ -406,11 +452,10 @@ def _native(g: _Group, me: int, x: torch.Tensor | None, nccl: bool) -> list[torc
         return [torch.cat([_unwire(got[g.gr(i)], x.dtype) for i in range(n)], dim=prm["dim"])]
     if kind == "all_to_all":
         xw = _wire(x)
-        src_dim, dst_dim = prm["src_dim"], prm["dst_dim"]
-        chunks = [c.contiguous() for c in xw.split(xw.shape[src_dim] // n, dim=src_dim)]
-        got = [torch.empty_like(chunks[0]) for _ in range(n)]
-        dist.all_to_all(got, [chunks[g.at(k)] for k in range(n)], group=pg)
-        return [torch.cat([_unwire(got[g.gr(j)], x.dtype) for j in range(n)], dim=dst_dim)]
+        inp = _stacked(xw, prm["src_dim"], n, [g.at(k) for k in range(n)], xw.dtype)
+        got = torch.empty_like(inp)
+        dist.all_to_all_single(got, inp, group=pg)
+        return [_unstacked(_unwire(got, x.dtype), prm["dst_dim"], [g.gr(j) for j in range(n)])]
     raise AssertionError(kind)  # pragma: no cover - the validator admits no other kind
 
 

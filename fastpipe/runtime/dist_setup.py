@@ -14,6 +14,12 @@ consecutive slots (pipeline stages, tensor-parallel peers listed together) stay 
 Devices. Each slot keeps its kind from the device map (cpu, or cuda when a GPU is there), the
 same decision on every rank; a rank's CUDA slots run on cuda:LOCAL_RANK (one GPU per rank),
 its CPU slots on the CPU. Slots of other ranks are bound to the CPU (nothing runs there).
+A rank uses a GPU (rank_cuda_device: torch.cuda.set_device, NCCL) only when it holds a CUDA
+slot, or when every slot of the pipeline is on CUDA (pure NCCL: an idle rank 0 still receives the
+outputs over NCCL). A rank holding only CPU slots never touches CUDA, so it may run where its
+LOCAL_RANK has no GPU (a one-GPU machine: rank 0 on cuda:0, rank 1 on the CPU). Two ranks on one
+GPU are not supported: NCCL refuses a communicator with the same GPU twice, and LOCAL_RANK picks
+the GPU, so a rank whose LOCAL_RANK has no GPU and that needs one is refused at load.
 
 Backend. gloo when every slot is on the CPU, NCCL when every slot is on CUDA, and torch's
 per-device-type backend "cpu:gloo,cuda:nccl" when both kinds occur. A comm group runs on
@@ -132,16 +138,26 @@ def make_plan(pipeline, slot_devices: Mapping[str, torch.device], slot_ranks: Ma
     rank, world, local_rank = world_info
     ranks = check_slot_ranks(slot_ranks, pipeline.devices, world, name)
     types = {s: slot_devices[s].type for s in pipeline.devices}
-    devices = {}
-    for s in pipeline.devices:
-        if ranks[s] != rank or types[s] == "cpu":
-            devices[s] = torch.device("cpu")
-        else:
-            if local_rank >= torch.cuda.device_count():
-                raise InputError(f"environment LOCAL_RANK: expected 0..{torch.cuda.device_count() - 1} (one GPU per rank), "
-                                 f"found {local_rank}")
-            devices[s] = torch.device("cuda", local_rank)
-    return RankPlan(rank, world, local_rank, ranks, types, devices, choose_backend(types))
+    backend = choose_backend(types)
+    mine_on_cuda = any(ranks[s] == rank and types[s] == "cuda" for s in pipeline.devices)
+    if (mine_on_cuda or backend == "nccl") and local_rank >= torch.cuda.device_count():
+        raise InputError(f"environment LOCAL_RANK: expected 0..{torch.cuda.device_count() - 1} (one GPU per rank), "
+                         f"found {local_rank}")
+    devices = {s: torch.device("cuda", local_rank) if ranks[s] == rank and types[s] == "cuda" else torch.device("cpu")
+               for s in pipeline.devices}
+    return RankPlan(rank, world, local_rank, ranks, types, devices, backend)
+
+
+def rank_cuda_device(plan: RankPlan) -> torch.device | None:
+    """The GPU this rank uses, or None when it uses none: the device of its CUDA slots; with NCCL
+    alone (every slot on CUDA) cuda:LOCAL_RANK on every rank, an idle one too (rank 0 receives the
+    outputs over NCCL); a rank holding only CPU slots next to CUDA ones (cpu:gloo,cuda:nccl) none."""
+    mine = {d for s, d in plan.slot_devices.items() if plan.slot_ranks[s] == plan.rank and d.type == "cuda"}
+    if len(mine) > 1:
+        raise InputError(f"rank {plan.rank}: expected its CUDA slots on one GPU, found {', '.join(sorted(map(str, mine)))}")
+    if mine:
+        return mine.pop()
+    return torch.device("cuda", plan.local_rank) if plan.backend == "nccl" else None
 
 
 # ------------------------------------------------------------------------------ process groups
@@ -165,9 +181,14 @@ def init_process_group(plan: RankPlan, timeout_s: float | None = None) -> bool:
     if missing:
         raise InputError(f"environment {missing[0]}: expected the rendezvous address set by torchrun, found none")
     kwargs = {}
-    if "cuda" in plan.slot_types.values():
-        torch.cuda.set_device(plan.local_rank)
-        kwargs["device_id"] = torch.device("cuda", plan.local_rank)
+    dev = rank_cuda_device(plan)
+    if dev is not None:
+        torch.cuda.set_device(dev)
+    if plan.backend == "nccl":
+        # eager NCCL init (device_id) is a collective over the world: only when every rank passes it.
+        # A mixed world (cpu:gloo,cuda:nccl) creates each sub-group's communicator at its first use,
+        # among its members only, so a CPU-only rank never joins one.
+        kwargs["device_id"] = dev
     dist.init_process_group(plan.backend, rank=plan.rank, world_size=plan.world, timeout=timeout_of(timeout_s), **kwargs)
     return True
 
