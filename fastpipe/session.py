@@ -76,7 +76,7 @@ class Session:
         self._binder = Binder(pipeline, self.options, self.store, self.slot_devices,
                               compile=opts.compile and not region, compile_policy=opts.compile_policy)
         program = bind(lower(self.checked), self.checked, self._binder, local)
-        self.fusion = fusion.analyze(self.checked, self.slot_devices, fuse, region=region)
+        self.fusion = fusion.analyze(self.checked, self.slot_devices, fuse, region=region, options=self.options)
         program = fusion.apply(program, self.fusion, self.checked, self._binder)
         if region:
             program = with_regions(program, {s: str(d) for s, d in self.slot_devices.items()})
@@ -128,8 +128,8 @@ class Session:
 
     def describe(self) -> str:
         """One line: the processor and how it runs the Program (the region processor: regions, compiled
-        or eager, replayed or not)."""
-        how = self._processor.describe() if self.processor == "region" else ""
+        or eager, replayed or not; the cuda processor: its streams, replayed or not)."""
+        how = self._processor.describe() if self.processor in ("region", "cuda") else ""
         return f"{self.processor} processor" + (f" ({how})" if how else "")
 
     @property
@@ -281,11 +281,28 @@ class Session:
             return {}
         return assemble_outputs(self.pipeline, outs, check_replicas=check_replicas)
 
+    def memory_report(self) -> dict[str, dict]:
+        """Per device (its name): the plan's predicted peak ("predicted_peak_bytes": the slots' most
+        intermediates alive at once, "activation_bytes", plus their constants, "constant_bytes") and, with
+        the cuda processor, "measured_peak_bytes" (torch.cuda.max_memory_allocated since the processor was
+        made or `runner.reset_peak_memory()`). fastpipe.runtime.stream_issue.format_memory_report prints it."""
+        measured = getattr(self._processor, "memory_report", None)
+        if measured is not None:
+            return measured()
+        from fastpipe.runtime.stream_issue import planned_memory
+
+        program = self.program
+        return planned_memory(program, {s: self.slot_devices[s] for s in program.slots if program.steps[s]})
+
     def close(self) -> None:
-        """Drop this session's steps and constants (weights nobody else holds are freed)."""
+        """Drop this session's steps, constants and decoded graphs (weights and compiled graphs nobody
+        else holds are freed)."""
+        import dataclasses
+
         if self.processor == "dist" and self._processor is not None:   # let go of its process groups
             self._processor.close()
         self.program, self._processor, self._binder = None, None, None
+        self.checked = dataclasses.replace(self.checked, graphs=None)   # decoded payloads hold their constants
         import gc
 
         gc.collect()

@@ -231,3 +231,17 @@ def test_slots_on_two_gpus_are_ordered_for_the_caller_on_both(name):
         # read on each output's device right away, on the caller's stream there: no host sync first
         got = [{k: (v * 1).cpu() for k, v in o.items()} for o in outs]
         assert_equal_reference(ref, parts, got)
+
+
+def test_cli_run_prints_the_measured_peak_next_to_the_plan():
+    import subprocess
+    import sys
+
+    d = GRAPHS / "tp_mlp"
+    r = subprocess.run([sys.executable, "-m", "fastpipe", "run", d / "pipeline.json", "--processor", "cuda",
+                        "--device-map", "0=cuda:0,1=cuda:0", "--repeat", "3"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("memory: ")]
+    assert len(lines) == 1 and lines[0].startswith("memory: cuda:0 (slots 0, 1): measured peak "), r.stdout
+    assert "; plan " in lines[0] and lines[0].rstrip().endswith("x")

@@ -14,7 +14,8 @@ from fastpipe.options import LoadOptions, RunOptions, choose_processor
 from tests.examples import GRAPHS
 
 RUNTIME = Path(fastpipe.__file__).parent / "runtime"
-PROCESSOR_MODULES = ["reference.py", "cpu_processor.py", "cuda_processor.py", "dist_processor.py", "execute.py"]
+PROCESSOR_MODULES = ["reference.py", "cpu_processor.py", "cuda_processor.py", "stream_issue.py", "dist_processor.py",
+                    "execute.py"]
 SESSION_PRIVATE = {"session", "_binder", "_compute_steps", "_comm_steps", "_input_devices", "_dist_plan", "_runner"}
 
 

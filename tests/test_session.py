@@ -185,3 +185,22 @@ def test_null_group_collective_is_a_group_of_one(tmp_path):
     for processor in ("reference", "cpu"):
         out = fastpipe.load(f, device_map=None, processor=processor, compile=False).run({"x_0": x})
         assert torch.equal(out["y_0"], x)
+
+
+def test_memory_report_gives_the_plan_per_device():
+    """Without the cuda processor the report is the plan: per device, its slots' peak intermediates plus
+    their constants, as the Program computed them (measured peaks come with the cuda processor)."""
+    from fastpipe.runtime.stream_issue import format_memory_report
+
+    sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json")
+    report = sess.memory_report()
+    prog = sess.program
+    assert set(report) == {"cpu"}
+    (r,) = report.values()
+    assert set(r["slots"]) == {s for s in prog.slots if prog.steps[s]}
+    assert r["activation_bytes"] == sum(prog.peak_bytes.get(s, 0) for s in r["slots"]) > 0
+    assert r["constant_bytes"] == sum(prog.constant_bytes.get(s, 0) for s in r["slots"]) > 0
+    assert r["predicted_peak_bytes"] == r["activation_bytes"] + r["constant_bytes"]
+    assert "measured_peak_bytes" not in r
+    (line,) = format_memory_report(report)
+    assert line.startswith("cpu (slots ") and "plan " in line and "measured" not in line

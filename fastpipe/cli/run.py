@@ -46,12 +46,17 @@ def cmd_run(args) -> int:
     for i in range(args.repeat):
         t = time.perf_counter()
         outs = sess.run(inputs, chunks=args.chunks, trace=args.trace if args.trace and i == args.repeat - 1 else None)
-        if any(d.type == "cuda" for d in sess.slot_devices.values()):
-            torch.cuda.synchronize()
+        for dev in {d for d in sess.slot_devices.values() if d.type == "cuda"}:
+            torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t)
     ms = sorted(x * 1e3 for x in times)
     print(f"{p.name}: {sess.describe()}; loaded in {load_s * 1e3:.1f} ms{compile_msg}; {args.repeat} runs: "
           f"median {statistics.median(ms):.3f} ms, min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")
+    if sess.processor == "cuda":       # measured peak GPU memory next to the plan's prediction
+        from fastpipe.runtime.stream_issue import format_memory_report
+
+        for line in format_memory_report(sess.memory_report()):
+            print(f"memory: {line}")
     return report_results(args, outs, expected)
 
 

@@ -19,10 +19,11 @@ the same code the CPU tests drive through its host backend):
   * no host synchronisation inside a run (a traced run synchronizes once, at its end, to read
     its CUDA events); everything runs under torch.inference_mode.
 With cuda_graph=True (slots on one GPU) the whole run, all k micro-batches, is captured and
-replayed by fastpipe.runtime.graph_replay, one graph per number of chunks: the first call runs
-eagerly (warm-up: compiles, allocator settles), the second captures the whole run into one CUDA
-graph (side streams forked from and joined back to the capture stream), later calls copy the
-inputs into its static buffers and replay it. A capture failure follows the compile policy:
+replayed by fastpipe.runtime.graph_replay, one graph per number of chunks: Session.compile()
+captures at warm-up (`replay.capture(inputs)`: the graph exists before the first real run);
+otherwise the first call runs eagerly (compiles, allocator settles) and the second captures the
+whole run into one CUDA graph (side streams forked from and joined back to the capture stream).
+Later calls copy the inputs into its static buffers and replay it. A capture failure follows the compile policy:
 "warn" continues eagerly with a warning naming the reason; "raise" raises CompileError. Outputs
 are cloned out of the graph's static buffers unless `alias_outputs=True`.
 
