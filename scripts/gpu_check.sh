@@ -6,13 +6,18 @@
 #   bash scripts/gpu_check.sh cuda       # install + `pytest -m cuda`
 #   bash scripts/gpu_check.sh plain      # install + the plain suite (what CI runs, on this machine)
 #   bash scripts/gpu_check.sh bench      # install + the GPU benchmark suites (bench/report.py)
+#   bash scripts/gpu_check.sh fused      # install + the fused-kernel crossover (bench/bench_fused_kernels.py):
+#                                        # fused.json, and in fused.log the smallest M where fused wins, to set
+#                                        # fastpipe.kernels.fused_is_faster from (not part of `all`)
 #
 # Each device call may run 10 minutes at most, so a session runs the stages as separate calls
 # (the machine stays warm for 30 s between calls; the install is repeated, it takes seconds).
-# The machine has python3 with torch, triton, safetensors, pytest and pytest-benchmark, and no
-# network: nothing else is installed. Tests needing what is absent (hypothesis, transformers)
-# are left out and listed in $OUT/summary.txt. At most 8 files come back from $OUT; this
-# writes: machine.txt, summary.txt, <stage>.log per stage, cuda.xml, plain.xml, bench.json.
+# The machine has python3 with torch, triton, safetensors, pytest, pytest-benchmark and no
+# network (its image also had transformers, hypothesis and pytest-xdist on 2026-11-17; each is
+# checked here). Tests needing what is absent are left out and listed in $OUT/summary.txt; with
+# pytest-xdist the plain suite runs on 8 workers (files kept whole per worker). At most 8 files
+# come back from $OUT; this writes: machine.txt, summary.txt, <stage>.log per stage, cuda.xml,
+# plain.xml, bench.json (the fused stage: fused.log, fused.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -61,12 +66,19 @@ if [ "$stage" = cuda ] || [ "$stage" = all ]; then
   run_stage cuda 540 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$OUT/cuda.xml" "${missing[@]}" || rc=1
 fi
 if [ "$stage" = plain ] || [ "$stage" = all ]; then
-  run_stage plain 560 python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/plain.xml" "${missing[@]}" || rc=1
+  workers=()
+  python3 -c "import xdist" 2>/dev/null && workers=(-n 8 --dist loadfile)
+  run_stage plain 560 python3 -m pytest -q -p no:cacheprovider "${workers[@]}" --junitxml="$OUT/plain.xml" \
+    "${missing[@]}" || rc=1
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   run_stage bench 560 python3 bench/report.py --suites examples,comm,kernels --out "$OUT/bench" || rc=1
   [ -f "$OUT/bench/results.json" ] && mv "$OUT/bench/results.json" "$OUT/bench.json"
   [ -f "$OUT/bench/report.md" ] && cat "$OUT/bench/report.md" >> "$OUT/bench.log"
   rm -rf "$OUT/bench"
+fi
+if [ "$stage" = fused ]; then
+  run_stage fused 540 python3 bench/bench_fused_kernels.py --kernel both --check --json "$OUT/fused.json" || rc=1
+  python3 bench/bench_fused_kernels.py --threshold "$OUT/fused.json" >> "$OUT/fused.log" 2>&1 || rc=1
 fi
 exit $rc
