@@ -245,3 +245,33 @@ def test_cli_run_prints_the_measured_peak_next_to_the_plan():
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("memory: ")]
     assert len(lines) == 1 and lines[0].startswith("memory: cuda:0 (slots 0, 1): measured peak "), r.stdout
     assert "; plan " in lines[0] and lines[0].rstrip().endswith("x")
+
+
+def test_a_failed_capture_is_said_and_the_run_goes_on_eagerly():
+    """A step that synchronizes (illegal while capturing) makes the capture fail: "warn" warns with the
+    reason, runs on streams, and describe() says so; "raise" raises CompileError."""
+    from fastpipe.errors import CompileError
+
+    path = GRAPHS / "tp_mlp" / "pipeline.json"
+    ref = fastpipe.load(path)
+    sess = on_gpu(path, cuda_graph=False)
+
+    def wrap(fn, key):
+        def run(xs):
+            torch.cuda.synchronize()
+            return fn(xs)
+        return run
+
+    program = wrapped(sess.program, wrap)
+    proc = CudaProcessor(program, cuda_graph=True, compile_policy="warn")
+    assert proc.describe().endswith("replayed as one CUDA graph per chunk count on cuda:0")
+    part = parts_of(ref, 1, 0)[0]
+    proc.run(part)                                                    # eager warm-up
+    with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
+        out = proc.run(part)
+    assert_equal_reference(ref, [part], out)
+    assert "CUDA-graph capture failed (" in proc.describe() and proc.graph is None
+    strict = CudaProcessor(program, cuda_graph=True, compile_policy="raise")
+    strict.run(part)
+    with pytest.raises(CompileError, match="CUDA-graph capture failed"):
+        strict.run(part)

@@ -135,8 +135,10 @@ class CudaProcessor:
 
     def describe(self) -> str:
         """How it runs, in a few words (e.g. for Session.describe)."""
-        how = (f"replayed as one CUDA graph per chunk count on {self.device}" if self.use_graph
-               else "issued eagerly on streams")
+        failed = next((r.failure for r in self.replays.values() if r.failure is not None), None)
+        how = ("issued eagerly on streams" if not self.use_graph
+               else f"CUDA-graph capture failed ({failed}): issued eagerly on streams" if failed is not None
+               else f"replayed as one CUDA graph per chunk count on {self.device}")
         return f"{len(self.streams)} streams on {', '.join(map(str, self.devices))}; {how}"
 
     # ------------------------------------------------------------------ memory
