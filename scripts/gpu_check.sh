@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_check.sh            # all stages (about 20 min: split it over calls, see below)
 #   bash scripts/gpu_check.sh cuda       # install + `pytest -m cuda`
+#   bash scripts/gpu_check.sh cuda tests/test_cuda_processor_gpu.py -x   # cuda/plain: more pytest arguments
 #   bash scripts/gpu_check.sh plain      # install + the plain suite (what CI runs, on this machine)
 #   bash scripts/gpu_check.sh bench      # install + the GPU benchmark suites (bench/report.py)
 #   bash scripts/gpu_check.sh fused      # install + the fused-kernel crossover (bench/bench_fused_kernels.py):
@@ -23,6 +24,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 stage="${1:-all}"
+shift $(( $# > 0 ? 1 : 0 ))
+extra=("$@")                         # cuda and plain stages: passed on to pytest (files, -k, -x, ...)
 summary="$OUT/summary.txt"
 
 {
@@ -63,13 +66,14 @@ run_stage() {  # name, timeout, command...
 
 rc=0
 if [ "$stage" = cuda ] || [ "$stage" = all ]; then
-  run_stage cuda 540 python3 -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$OUT/cuda.xml" "${missing[@]}" || rc=1
+  run_stage cuda 540 python3 -m pytest -m cuda -v -rs -p no:cacheprovider --junitxml="$OUT/cuda.xml" "${missing[@]}" \
+    "${extra[@]}" || rc=1
 fi
 if [ "$stage" = plain ] || [ "$stage" = all ]; then
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n 8 --dist loadfile)
   run_stage plain 560 python3 -m pytest -q -p no:cacheprovider "${workers[@]}" --junitxml="$OUT/plain.xml" \
-    "${missing[@]}" || rc=1
+    "${missing[@]}" "${extra[@]}" || rc=1
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
   run_stage bench 560 python3 bench/report.py --suites examples,comm,kernels --out "$OUT/bench" || rc=1
