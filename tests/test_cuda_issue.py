@@ -281,17 +281,20 @@ def test_no_wait_beyond_the_programs():
     assert all(why == "member" for *_, why in waits)
 
 
-def test_every_step_runs_under_inference_mode():
-    ref = load_ref("tp_mlp")
-    modes = []
-
+def recording_inference_mode(modes: list):
+    """A wrap for wrapped(): each call appends whether inference mode was on, then runs the step."""
     def wrap(fn, key):
         def run(xs):
             modes.append(torch.is_inference_mode_enabled())
             return fn(xs)
         return run
+    return wrap
 
-    program = wrapped(ref.program, wrap)
+
+def test_every_step_runs_under_inference_mode():
+    ref = load_ref("tp_mlp")
+    modes = []
+    program = wrapped(ref.program, recording_inference_mode(modes))
     outs = LaneRunner(program, HostBackend(), one_device(program)).run(chunked(ref, 2))
     assert len(modes) == 2 * (sum(1 for ss in program.steps.values() for st in ss if st.kind == "compute")
                               + len(program.groups))

@@ -11,7 +11,7 @@ from fastpipe.runtime.cuda_processor import CudaProcessor
 from fastpipe.runtime.microbatch import split_chunks
 from fastpipe.runtime.stream_issue import CudaBackend
 from tests.examples import GRAPHS
-from tests.test_cuda_issue import wrapped, write_chain
+from tests.test_cuda_issue import recording_inference_mode, wrapped, write_chain
 from tests.test_processors import fresh_inputs
 
 pytestmark = pytest.mark.cuda
@@ -198,14 +198,7 @@ def test_steps_run_in_inference_mode_and_outputs_are_plain_results(graph):
     ref = fastpipe.load(path)
     sess = on_gpu(path, cuda_graph=False)
     modes = []
-
-    def wrap(fn, key):
-        def run(xs):
-            modes.append(torch.is_inference_mode_enabled())
-            return fn(xs)
-        return run
-
-    proc = CudaProcessor(wrapped(sess.program, wrap), cuda_graph=graph)
+    proc = CudaProcessor(wrapped(sess.program, recording_inference_mode(modes)), cuda_graph=graph)
     for seed in range(3):
         part = parts_of(ref, 1, seed)[0]
         out = proc.run(part)[0]
