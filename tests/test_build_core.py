@@ -236,3 +236,21 @@ def test_bad_arguments():
         build(m, (x,), tp=2, plan={"nope": "column"})
     with pytest.raises(ValueError, match="expected column, column_gather, row or vocab, found 'diagonal'"):
         build(m, (x,), tp=2, plan={"a": "diagonal"})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_module_keeps_its_dtype(tmp_path, dtype):
+    """A bf16/f16 module splits into shards of its own dtype (they were made float32 once, and the
+    traced graph then mixed dtypes); the split model matches the unsplit one within the dtype's rounding."""
+    torch.manual_seed(0)
+    m = LM(52).eval().to(dtype)
+    ids = torch.randint(0, 52, (2, 6))
+    built = build(m, (ids,), tp=2, plan=PLAN, input_names=["ids"], output_names=["logits"])
+    sess, out = run_built(built, tmp_path, ids, names=["ids"])
+    consts = [t for t in sess.pipeline.tensors.values() if t.value is not None]
+    assert consts and {t.dtype for t in consts} == {"bf16" if dtype == torch.bfloat16 else "f16"}
+    with torch.no_grad():
+        ref = m(ids)
+    for v in out.values():
+        assert v.dtype == dtype
+        torch.testing.assert_close(v.float(), ref.float(), rtol=0, atol=3e-2 * ref.abs().max().item())

@@ -1,5 +1,7 @@
 """Acceptance: fastpipe build + run on CPU reproduce the unsplit Hugging Face model (fp32, rel err <= 1e-4),
 logits / hidden states and updated KV caches, for GPT-2, Llama (GQA) and BERT with tp in {1, 2, 4} and pp in {1, 2}."""
+import copy
+
 import pytest
 import torch
 
@@ -134,6 +136,38 @@ def test_identical_graphs_stored_once(checkpoints):
     built = build_hf(checkpoints["bert"][0], tp=4, batch=B, seq_len=S)
     refs = [st.get("data_blob") for st in built.doc["supertasks"].values() if st["kind"] == "fx"]
     assert built.doc.get("blobs") and sum(r is not None for r in refs) >= 4
+
+
+HALF = [(fam, dt) for fam in ("gpt2", "llama", "bert") for dt in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("family, dtype", HALF, ids=[f"{f}-{str(d)[6:]}" for f, d in HALF])
+def test_half_precision_checkpoint(checkpoints, tmp_path, family, dtype):
+    """A bf16/f16 checkpoint (what real ones are) builds at tp=2 with every weight in its dtype (the
+    shards were once made float32: the build then failed on the logits' dtype), and runs like the
+    unsplit model in that dtype, within its rounding."""
+    _, model = checkpoints[family]
+    folder = tmp_path / "ckpt"
+    model = copy.deepcopy(model).to(dtype)
+    model.save_pretrained(str(folder))
+    past_len = None if family == "bert" else P
+    sess = fastpipe.load(build_hf(folder, tp=2, batch=B, seq_len=S, past_len=past_len).save(tmp_path / "out"))
+    name = "bf16" if dtype == torch.bfloat16 else "f16"
+    assert {t.dtype for t in sess.pipeline.tensors.values() if t.is_constant and t.dtype != "i64"} == {name}
+    ins, past = originals(family, model.config, past_len, seed=3)
+    if past is not None:
+        past = [(k.to(dtype), v.to(dtype)) for k, v in past]
+        ins.update({n: v.to(dtype) for n, v in ins.items() if n.startswith("past_key_values_")})
+    outs = run_model_level(sess, ins)
+    assert_outputs_match(sess, outs, hf_reference(model, family, ins, past), rtol=3e-2)
+
+
+def test_build_dtype_must_match_the_checkpoint(checkpoints):
+    """Weights are slices of the checkpoint: a build dtype other than the stored one is refused at
+    build time, naming the tensor (not later, at load)."""
+    with pytest.raises(InvalidInput, match=r"\['model.embed_tokens.weight'\]: expected dtype bf16 for "
+                                           r"model.embed_tokens.weight \(the build's dtype\), found F32"):
+        build_hf(checkpoints["llama"][0], tp=2, batch=B, seq_len=S, dtype=torch.bfloat16)
 
 
 def test_refusals(checkpoints):

@@ -45,11 +45,12 @@ def make_layer(name: str, mod: nn.Module, spec: dict, rank: int, tp: int, sequen
     if kind in ("column", "column_gather"):
         return ColumnLinear(name, tuple(weight.shape), has_bias, rank, tp, transposed=transposed,
                             parts=spec.get("parts"), part_ranges=spec.get("part_ranges"),
-                            gather=kind == "column_gather", input_layout=input_layout)
+                            gather=kind == "column_gather", input_layout=input_layout, dtype=weight.dtype)
     if kind == "row":
-        return RowLinear(name, tuple(weight.shape), has_bias, rank, tp, transposed=transposed, reduce_to=reduce_to)
+        return RowLinear(name, tuple(weight.shape), has_bias, rank, tp, transposed=transposed, reduce_to=reduce_to,
+                         dtype=weight.dtype)
     if kind == "vocab":
-        return VocabEmbedding(name, tuple(weight.shape), rank, tp, reduce_to=reduce_to)
+        return VocabEmbedding(name, tuple(weight.shape), rank, tp, reduce_to=reduce_to, dtype=weight.dtype)
     raise BuildError(f"plan[{name!r}]: expected column, column_gather, row or vocab, found {kind!r}")
 
 

@@ -29,8 +29,8 @@ from fastpipe.builder.sources import Source
 from fastpipe.errors import BuildError
 
 
-def _meta_param(shape) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+def _meta_param(shape, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device="meta", dtype=dtype), requires_grad=False)
 
 
 def even_range(size: int, rank: int, tp: int) -> tuple[int, int]:
@@ -45,7 +45,7 @@ class ColumnLinear(nn.Module):
 
     def __init__(self, name: str, weight_shape, has_bias: bool, rank: int, tp: int, *, transposed: bool = False,
                  parts: Sequence[int] | None = None, part_ranges: Sequence[tuple[int, int]] | None = None,
-                 gather: bool = False, input_layout: str | None = None):
+                 gather: bool = False, input_layout: str | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.transposed, self.gather, self.input_layout, self.tp = transposed, gather, input_layout, tp
         out_dim = 1 if transposed else 0
@@ -59,11 +59,11 @@ class ColumnLinear(nn.Module):
         self.n_parts = len(parts)
         for i, (off, (a, b)) in enumerate(zip(offsets, ranges)):
             src = Source.slice(f"{name}.weight", weight_shape, out_dim, off + a, off + b)
-            self.register_parameter(f"weight_{i}", _meta_param(src.shape))
+            self.register_parameter(f"weight_{i}", _meta_param(src.shape, dtype))
             self.sources[f"weight_{i}"] = src
             if has_bias:
                 bsrc = Source.slice(f"{name}.bias", (out_features,), 0, off + a, off + b)
-                self.register_parameter(f"bias_{i}", _meta_param(bsrc.shape))
+                self.register_parameter(f"bias_{i}", _meta_param(bsrc.shape, dtype))
                 self.sources[f"bias_{i}"] = bsrc
         self.has_bias = has_bias
 
@@ -87,18 +87,18 @@ class RowLinear(nn.Module):
     """y = reduce(x_local @ W_local^T) + b; `reduce_to` is "replicate" or "shard:D" (sequence parallel)."""
 
     def __init__(self, name: str, weight_shape, has_bias: bool, rank: int, tp: int, *, transposed: bool = False,
-                 reduce_to: str = "replicate"):
+                 reduce_to: str = "replicate", dtype: torch.dtype = torch.float32):
         super().__init__()
         self.transposed, self.reduce_to, self.tp = transposed, reduce_to, tp
         in_dim = 0 if transposed else 1
         a, b = even_range(weight_shape[in_dim], rank, tp)
         src = Source.slice(f"{name}.weight", weight_shape, in_dim, a, b)
-        self.weight = _meta_param(src.shape)
+        self.weight = _meta_param(src.shape, dtype)
         self.sources = {"weight": src}
         self.bias = None
         if has_bias:
             out = weight_shape[1 if transposed else 0]
-            self.bias = _meta_param((out,))
+            self.bias = _meta_param((out,), dtype)
             self.sources["bias"] = Source.whole(f"{name}.bias", (out,))
 
     def forward(self, x):  # x: [..., in_local] -> [..., out]
@@ -110,22 +110,23 @@ class RowLinear(nn.Module):
 class VocabEmbedding(nn.Module):
     """Rows [r*ceil(V/n), min(V, (r+1)*ceil(V/n))) on rank r; other ids give zeros; partial sums reduced."""
 
-    def __init__(self, name: str, weight_shape, rank: int, tp: int, *, reduce_to: str = "replicate"):
+    def __init__(self, name: str, weight_shape, rank: int, tp: int, *, reduce_to: str = "replicate",
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         vocab, dim = weight_shape
         block = math.ceil(vocab / tp)
         self.start = min(vocab, rank * block)
         self.stop = min(vocab, (rank + 1) * block)
-        self.rows, self.dim, self.reduce_to, self.tp = self.stop - self.start, dim, reduce_to, tp
+        self.rows, self.dim, self.reduce_to, self.tp, self.dtype = self.stop - self.start, dim, reduce_to, tp, dtype
         self.sources = {}
         if self.rows:
             src = Source.slice(f"{name}.weight", weight_shape, 0, self.start, self.stop)
-            self.weight = _meta_param(src.shape)
+            self.weight = _meta_param(src.shape, dtype)
             self.sources["weight"] = src
 
     def forward(self, ids):  # ids: [...] int -> [..., D]
         if self.rows == 0:
-            y = torch.zeros(*ids.shape, self.dim, dtype=torch.float32, device=ids.device)
+            y = torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
         else:
             local = ids - self.start
             inside = (local >= 0) & (local < self.rows)

@@ -77,25 +77,27 @@ def rank_local(model, family: str, plan, rank: int, tp: int, *, sequence_paralle
         shape = tuple(mod.weight.shape)
         has_bias = getattr(mod, "bias", None) is not None
         transposed = type(mod).__name__ == "Conv1D"
+        dt = mod.weight.dtype            # the shards keep the checkpoint's dtype (bf16 stays bf16)
         k = rule.kind
         new = None
         if tp == 1 or k == "replicate":
             continue
         if k in ("column", "column_packed"):
             new = ColumnLinear(mod_name, shape, has_bias, rank, tp, transposed=transposed,
-                               parts=list(rule.parts) if rule.parts else None, input_layout=in_layout)
+                               parts=list(rule.parts) if rule.parts else None, input_layout=in_layout, dtype=dt)
         elif k == "kv_column":
             heads = plans.kv_heads_for_rank(rank, tp, plan.n_q_heads, plan.n_kv_heads)
             new = ColumnLinear(mod_name, shape, has_bias, rank, tp, transposed=transposed,
                                part_ranges=[(heads.start * plan.head_dim, heads.stop * plan.head_dim)],
-                               input_layout=in_layout)
+                               input_layout=in_layout, dtype=dt)
         elif k == "row":
-            new = RowLinear(mod_name, shape, has_bias, rank, tp, transposed=transposed, reduce_to=reduce_to)
+            new = RowLinear(mod_name, shape, has_bias, rank, tp, transposed=transposed, reduce_to=reduce_to, dtype=dt)
         elif k == "vocab_embedding":
-            new = VocabEmbedding(mod_name, shape, rank, tp, reduce_to="replicate")
+            new = VocabEmbedding(mod_name, shape, rank, tp, reduce_to="replicate", dtype=dt)
         elif k == "lm_head":
             if plans.lm_head_sharded(plan.vocab_size, tp):
-                new = ColumnLinear(mod_name, shape, has_bias, rank, tp, gather=True, input_layout=in_layout)
+                new = ColumnLinear(mod_name, shape, has_bias, rank, tp, gather=True, input_layout=in_layout,
+                                   dtype=dt)
         if new is not None:
             parent, _, attr = mod_name.rpartition(".")
             setattr(local.get_submodule(parent) if parent else local, attr, new)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from fastpipe.dtypes import SAFETENSORS_TO_TORCH
+from fastpipe.dtypes import SAFETENSORS_TO_TORCH, TORCH_TO_NAME
 from fastpipe.errors import ParamError
 from fastpipe.weights.paths import resolve_param_path
 from fastpipe.weights.safetensors_header import CorruptHeader, read_header
@@ -125,6 +125,10 @@ def _candidates(name: str, prefix: str) -> list[str]:
     return cands
 
 
+def _label(dtype: torch.dtype) -> str:
+    return TORCH_TO_NAME.get(dtype, str(dtype))
+
+
 def _expected_names(model) -> list[str]:
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     non_persistent = {n for n, _ in model.named_non_persistent_buffers()}
@@ -164,6 +168,11 @@ def checkpoint_index(model_dir: Path, model) -> dict[str, StoredTensor]:
             if tuple(hit.shape) != want:
                 raise ParamError(f"{hit.file}[{hit.name_in_file!r}]: expected shape {list(want)} for "
                                  f"{member}, found {list(hit.shape)}")
+            if hit.dtype != shapes[member].dtype:     # weights are slices of the file: no cast on the way
+                raise ParamError(f"{hit.file}[{hit.name_in_file!r}]: expected dtype {_label(shapes[member].dtype)} for "
+                                 f"{member} (the build's dtype), found {hit.dtype_label}; a pipeline's weights are "
+                                 "slices of the checkpoint and keep its dtype: build with the checkpoint's dtype "
+                                 "or convert the checkpoint first")
             index[member] = hit
     if missing:
         raise ParamError(f"{model_dir}: expected a stored tensor for {missing[0]}, found none "
