@@ -1,115 +1,422 @@
-"""Runtime benchmark: a decode-step-sized pipeline (a Llama-family model, tp=2, a few blocks, one new
-token over a KV cache), side by side with its baselines, in one run.
+"""Runtime benchmark: decode-step and prefill pipelines of a Llama-family model (tp=2, a few blocks),
+each fastpipe path side by side with the unsplit Hugging Face model, in one run.
 
-    python bench/report_runtime.py                 # CPU: compiled vs eager (cpu processor)
-    python bench/report_runtime.py --batches 1,4,8 # on a GPU also: CUDA-graph replay vs eager streams
-                                                   #   vs the unsplit HF model under torch.compile
+    python bench/report_runtime.py                                 # GPU: decode and prefill, batch 1, 8, 32
+    python bench/report_runtime.py --cases decode --budget-s 500   # what scripts/gpu_check.sh runtime runs
+    python bench/report_runtime.py --device cpu --quick            # CPU: a check that it runs
 
-Targets (issue 4, GPU): replay >= 3x faster than eager streams, and within 1.2x of the unsplit
-compiled model. Each number is a median over --repeat runs after warm-up; ratios are to a
-baseline measured in the same run.
+Cases: a decode step (1 new token over --past cached tokens) and a prefill step (--prefill-len
+tokens), at each batch of --batches, built with build_hf(tp=2) from one random checkpoint. All slots
+go to one device (cuda:0, or the CPU).
+
+Variants on a GPU:
+  fastpipe cuda, graph replay            the cuda processor (a stream per slot), compiled, the whole
+                                         run captured as one CUDA graph and replayed
+  fastpipe cuda, eager streams           the cuda processor, eager, no graph: the baseline of replay
+  fastpipe region compiled               the whole-device path: every slot's steps as one graph,
+                                         compiled (shard matmuls merged), no CUDA graph
+  fastpipe region compiled + replay      the same, captured and replayed (what processor="auto" runs)
+  unsplit eager / unsplit compiled /     the HF model on the same device: eager, torch.compile
+  unsplit compiled, reduce-overhead      (dynamic=False), and torch.compile(mode="reduce-overhead")
+On a CPU: the region processor compiled and eager, the cpu processor eager, the unsplit model eager
+and compiled.
+
+What is timed: a fastpipe row times `session.run(inputs)` on the pipeline's own inputs, already
+sliced per slot and on the device (as a server holds them); the unsplit rows time the HF model on
+input ids and a DynamicCache of the same past, on the device. Each call is followed by a device
+synchronize (the latency a caller sees when it needs the result). Every session compiles (and
+captures) before it is timed: Session.compile(); compile seconds get a column of their own. Every
+row's logits are checked against the unsplit eager model's, with a tolerance for the dtype
+(float32: 1e-4, bfloat16: 3e-2, float16: 5e-3, times the largest |logit|); a fastpipe mismatch or
+failure makes the exit status 1.
+
+Timing: after --warmup calls each, the variants of one case are timed in interleaved rounds (round
+r times every variant once); a sample is the mean of back-to-back calls lasting about --sample-ms;
+the table gives the median and p10/p90 of --repeat samples.
+
+Targets (issue 16): at batch 1, graph replay >= 3x faster than eager streams; the best fastpipe path
+within 1.1x of the best unsplit compiled model (default or reduce-overhead). Each case's verdicts
+are printed under its table and written to --json (rewritten after every case, so a run stopped at a
+time limit keeps the cases it finished). --budget-s stops before a case when the run has used that
+many seconds, and says which cases it left.
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+from bench.report_region import Row, first_call, pct  # noqa: E402
+
+CUDA_VARIANTS = [
+    ("fastpipe cuda, graph replay", dict(processor="cuda", compile=True, cuda_graph=True)),
+    ("fastpipe cuda, eager streams", dict(processor="cuda", compile=False, cuda_graph=False)),
+    ("fastpipe region compiled", dict(processor="region", compile=True, cuda_graph=False)),
+    ("fastpipe region compiled + replay", dict(processor="region", compile=True, cuda_graph=True)),
+]
+CPU_VARIANTS = [
+    ("fastpipe region compiled", dict(processor="region", compile=True)),
+    ("fastpipe region eager", dict(processor="region")),
+    ("fastpipe cpu processor eager", dict(processor="cpu")),
+]
+REPLAY, STREAMS = "fastpipe cuda, graph replay", "fastpipe cuda, eager streams"
+UNSPLIT_COMPILED = ("unsplit compiled", "unsplit compiled, reduce-overhead")
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
+DEFAULTS = {"cuda": dict(layers=4, hidden=1024, heads=16, kv_heads=8, vocab=32000, dtype="bfloat16"),
+            "cpu": dict(layers=4, hidden=512, heads=8, kv_heads=4, vocab=8000, dtype="float32")}
 
 
-def median_ms(fn, repeat: int, sync) -> float:
-    for _ in range(3):
-        fn()
-    sync()
-    ts = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        sync()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: cuda when available")
+    ap.add_argument("--cases", default="decode,prefill", help="decode and/or prefill (comma-separated)")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--past", type=int, default=128, help="cached tokens of the decode step")
+    ap.add_argument("--prefill-len", type=int, default=128, help="tokens of the prefill step")
+    for k in ("layers", "hidden", "heads", "kv_heads", "vocab"):
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, help="model size (default: per device, see DEFAULTS)")
+    ap.add_argument("--dtype", choices=sorted(TOLERANCE), help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--repeat", type=int, default=30, help="timed samples per variant")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls per variant before timing")
+    ap.add_argument("--sample-ms", type=float, default=5.0)
+    ap.add_argument("--budget-s", type=float, default=0.0, help="start no case after this many seconds (0: no limit)")
+    ap.add_argument("--json", help="write every case's rows and verdicts here")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, batch 1, few samples: a check that it runs")
+    args = ap.parse_args(argv)
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available on this machine")
+    for k, v in DEFAULTS[args.device].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.quick:
+        args.layers, args.hidden, args.heads, args.kv_heads, args.vocab = 1, 64, 4, 2, 256
+        args.batches, args.past, args.prefill_len, args.repeat, args.warmup = "1", 16, 16, 3, 1
+    args.case_list = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if not args.case_list or set(args.case_list) - {"decode", "prefill"}:
+        ap.error(f"--cases: expected decode and/or prefill, found {args.cases!r}")
+    try:
+        args.batch_list = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        ap.error(f"--batches: expected comma-separated integers, found {args.batches!r}")
+    if not args.batch_list or min(args.batch_list) < 1 or args.repeat < 1 or args.warmup < 0:
+        ap.error("--batches must be >= 1, --repeat >= 1, --warmup >= 0")
+    return args
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--past", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=50)
-    args = ap.parse_args()
+def make_checkpoint(args, folder: Path):
+    """A random Llama-family checkpoint in args.dtype; returns the unsplit model (CPU, eval)."""
+    import torch
     import transformers
 
-    import fastpipe
-    from bench.machine import machine_info
-    from fastpipe.builder.hf.build import build_hf
     from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
 
-    cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    cfg = transformers.LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
-                                   num_key_value_heads=4, intermediate_size=4 * args.hidden, vocab_size=32000)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        model = save_random_checkpoint(cfg, Path(tmp) / "m", seed=0).eval()
-        for b in (int(x) for x in args.batches.split(",")):
-            built = build_hf(Path(tmp) / "m", tp=2, batch=b, seq_len=1, past_len=args.past)
-            path = built.save(Path(tmp) / f"b{b}")
-            g = torch.Generator().manual_seed(b)
-            dev = "cuda" if cuda else "cpu"
-            eager = fastpipe.load(path, processor="cpu", compile=False)
-            ins = {n: (torch.randint(0, 32000, eager.pipeline.tensors[n].shape, generator=g) if n == "input_ids"
-                       else torch.randn(eager.pipeline.tensors[n].shape, generator=g)) for n in eager.input_names}
-            base = median_ms(lambda: eager.run(ins), args.repeat, sync)
-            comp = fastpipe.load(path, processor="cpu", compile=True)
-            comp.compile()
-            t = median_ms(lambda: comp.run(ins), args.repeat, sync)
-            rows.append((f"batch {b}", "cpu processor, eager", f"{base:.3f}", "1.00x"))
-            rows.append((f"batch {b}", "cpu processor, compiled", f"{t:.3f}", f"{base / t:.2f}x"))
-            if cuda:
-                dm = {s: "cuda:0" for s in eager.pipeline.devices}
-                gins = {k: v.to(dev) for k, v in ins.items()}
-                streams = fastpipe.load(path, device_map=dm, processor="cuda", compile=True, cuda_graph=False)
-                streams.compile()
-                t_streams = median_ms(lambda: streams.run(gins), args.repeat, sync)
-                replay = fastpipe.load(path, device_map=dm, processor="cuda", compile=True, cuda_graph=True)
-                replay.compile()
-                t_replay = median_ms(lambda: replay.run(gins), args.repeat, sync)
-                m = model.to(dev)
-                cm = torch.compile(m, fullgraph=False)
-                ids = gins["input_ids"]
-                cache = transformers.DynamicCache()
-                for l in range(args.layers):
-                    cache.update(gins[f"past_key_values_{l}_0_rank0"].repeat(1, 2, 1, 1)[:, :4],
-                                 gins[f"past_key_values_{l}_1_rank0"].repeat(1, 2, 1, 1)[:, :4], l)
+    cfg = transformers.LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                                   num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                                   intermediate_size=args.hidden * 11 // 4, vocab_size=args.vocab,
+                                   max_position_embeddings=max(2048, args.past + args.prefill_len))
+    model = save_random_checkpoint(cfg, folder, seed=0).eval()
+    if args.dtype != "float32":             # the checkpoint itself in that dtype: the pipeline's weights are too
+        model = model.to(getattr(torch, args.dtype))
+        model.save_pretrained(os.fspath(folder))
+    return model
 
-                def unsplit():
-                    c = transformers.DynamicCache()
-                    for l in range(args.layers):
-                        c.update(cache.layers[l].keys, cache.layers[l].values, l)
-                    with torch.no_grad():
-                        cm(input_ids=ids, past_key_values=c, use_cache=True)
 
-                t_unsplit = median_ms(unsplit, args.repeat, sync)
-                rows.append((f"batch {b}", "cuda, eager streams", f"{t_streams:.3f}", "1.00x"))
-                rows.append((f"batch {b}", "cuda, graph replay", f"{t_replay:.3f}", f"{t_streams / t_replay:.2f}x vs streams"))
-                rows.append((f"batch {b}", "unsplit HF model, torch.compile", f"{t_unsplit:.3f}",
-                             f"replay/unsplit {t_replay / t_unsplit:.2f}x"))
+def model_inputs(model, batch: int, seq: int, past_len: int | None, seed: int):
+    import torch
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    if not past_len:
+        return {"input_ids": ids}
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    past = [[torch.randn(batch, cfg.num_key_value_heads, past_len, hd, generator=g).to(dtype) for _ in range(2)]
+            for _ in range(cfg.num_hidden_layers)]
+    return {"input_ids": ids, "past_key_values": past}
+
+
+def hf_call(model, ids, past):
+    import transformers
+
+    cache = transformers.DynamicCache()
+    for i, (k, v) in enumerate(past or []):
+        cache.update(k, v, i)
+    return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+
+
+def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path) -> list[Row]:
+    import torch
+
+    import fastpipe
+    from fastpipe.builder.hf.build import build_hf
+    from fastpipe.format import read_pipeline
+    from fastpipe.model_io import assemble_outputs, flatten_args, to_pipeline_inputs
+
+    dev = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    seq, past_len = (1, args.past) if step == "decode" else (args.prefill_len, None)
+    path = build_hf(folder, tp=2, batch=batch, seq_len=seq, past_len=past_len).save(out)
+    host = model_inputs(model, batch, seq, past_len, seed=batch)
+    ids = host["input_ids"].to(dev)
+    past = [[t.to(dev) for t in kv] for kv in host.get("past_key_values", [])]
+    torch._dynamo.reset()                 # each case compiles afresh: no recompile limit across cases
+
+    def timed(fn):
+        def call():
+            r = fn()
+            sync()
+            return r
+        return call
+
+    with torch.inference_mode():
+        ref = hf_call(model, ids, past).float().cpu()
+    tol = TOLERANCE[args.dtype] * ref.abs().max().item()
+
+    def check(logits) -> str:
+        err = (logits.float().cpu() - ref).abs().max().item()
+        return f"{'ok' if err <= tol else 'MISMATCH'} (max err {err:.1e}, tol {tol:.1e})"
+
+    pipeline = read_pipeline(path)              # its slots, and its inputs: sliced per slot, on the device
+    slots = list(pipeline.devices)
+    inputs = {n: t.to(dev) for n, t in to_pipeline_inputs(pipeline, flatten_args(host)).items()}
+    rows: list[Row] = []
+    variants = CUDA_VARIANTS if dev.type == "cuda" else CPU_VARIANTS
+    for label, kw in variants:
+        row = Row(label)
+        rows.append(row)
+        try:
+            sess = fastpipe.load(path, device_map={s: str(dev) for s in slots}, store=store, **kw)
+            rep = sess.compile(inputs)
+            if kw.get("compile"):
+                row.compile_s = rep.seconds
+                if rep.eager:
+                    row.notes.append(f"left eager by a failed compile: {', '.join(map(str, rep.eager))}")
+            row.notes.append(sess.describe())
+            fn = timed(lambda s=sess: s.run(inputs))
+            dt, warned = first_call(fn)
+            if warned:
+                row.recompile_s = dt
+                row.notes.append(f"the first call after warm-up took {dt * 1e3:.0f} ms: " + " | ".join(sorted(set(warned))))
+            row.check = check(assemble_outputs(sess.pipeline, fn(), only=("logits",))["logits"])
+            row.fn, row.session = fn, sess
+        except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table, not the end of the run
+            row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            traceback.print_exc()
+    rows += unsplit_rows(args, model, ids, past, check, timed, dev)
+    return rows
+
+
+def unsplit_rows(args, model, ids, past, check, timed, dev) -> list[Row]:
+    import torch
+
+    def inference(fn):
+        def call():
+            with torch.inference_mode():
+                return fn()
+        return call
+
+    rows = [Row("unsplit eager", fn=timed(inference(lambda: hf_call(model, ids, past))))]
+    modes = [("unsplit compiled", {})]
+    if dev.type == "cuda":
+        modes.append(("unsplit compiled, reduce-overhead", {"mode": "reduce-overhead"}))
+    for label, kw in modes:
+        row = Row(label)
+        rows.append(row)
+        try:
+            cm = torch.compile(model, dynamic=False, **kw)
+            fn = timed(inference(lambda cm=cm: hf_call(cm, ids, past)))
+            t = time.perf_counter()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(3):          # reduce-overhead records its graph at the 2nd-3rd call
+                    fn()
+            row.compile_s = time.perf_counter() - t
+            row.notes += sorted({" ".join(str(w.message).split())[:200] for w in caught
+                                 if "cudagraph" in str(w.message).lower() or "recompil" in str(w.message).lower()})
+            row.check = check(fn())
+            row.fn = fn
+        except Exception as e:  # noqa: BLE001
+            row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            traceback.print_exc()
+    rows[0].check = check(rows[0].fn())
+    return rows
+
+
+def measure(rows: list[Row], repeat: int, warmup: int, sample_ms: float) -> None:
+    """Interleaved rounds (round r times every variant once); a sample is the mean of back-to-back
+    calls lasting about sample_ms (each call ends with a device synchronize)."""
+    live = [r for r in rows if r.fn is not None and not r.error]
+    for r in live:
+        for _ in range(warmup):
+            r.fn()
+        t = time.perf_counter()
+        r.fn()
+        r.inner = max(1, min(1000, int(sample_ms / max((time.perf_counter() - t) * 1e3, 1e-3))))
+    for _ in range(repeat):
+        for r in live:
+            t = time.perf_counter()
+            for _ in range(r.inner):
+                r.fn()
+            r.samples.append((time.perf_counter() - t) * 1e3 / r.inner)
+
+
+def median(rows: list[Row], variant: str) -> float | None:
+    r = next((r for r in rows if r.variant == variant and r.samples), None)
+    return statistics.median(r.samples) if r else None
+
+
+def verdicts(rows: list[Row], batch: int) -> dict:
+    """The issue's targets for one case: replay vs eager streams (>= 3x at batch 1), and the best
+    fastpipe row against the best unsplit compiled row (<= 1.1x)."""
+    out: dict = {}
+    replay, streams = median(rows, REPLAY), median(rows, STREAMS)
+    if replay and streams:
+        out["replay_vs_eager_streams"] = streams / replay
+        if batch == 1:
+            out["replay_target_met"] = streams / replay >= 3.0
+    ok = [r for r in rows if r.samples and not r.check.startswith("MISMATCH")]
+    ours = [r for r in ok if r.variant.startswith("fastpipe")]
+    theirs = [r for r in ok if r.variant in UNSPLIT_COMPILED]
+    if ours and theirs:
+        best = min(ours, key=lambda r: statistics.median(r.samples))
+        base = min(theirs, key=lambda r: statistics.median(r.samples))
+        ratio = statistics.median(best.samples) / statistics.median(base.samples)
+        out.update(best_fastpipe=best.variant, best_unsplit_compiled=base.variant, best_vs_unsplit_compiled=ratio,
+                   unsplit_target_met=ratio <= 1.1)
+    return out
+
+
+def table(rows: list[Row]) -> list[str]:
+    base = min((m for v in UNSPLIT_COMPILED if (m := median(rows, v))), default=None)
+    out = ["| variant | median ms | p10 ms | p90 ms | time / best unsplit compiled | compile s | logits |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        comp = "-" if r.compile_s is None else f"{r.compile_s:.2f}"
+        if r.recompile_s is not None:
+            comp += f" + {r.recompile_s:.2f} recompiling at the first call"
+        if not r.samples:
+            out.append(f"| {r.variant} | FAILED | | | | {comp} | {r.error or r.check} |")
+            continue
+        med = statistics.median(r.samples)
+        ratio = f"{med / base:.2f}x" if base else "-"
+        out.append(f"| {r.variant} | {med:.3f} | {pct(r.samples, 0.1):.3f} | {pct(r.samples, 0.9):.3f} | {ratio} | "
+                   f"{comp} | {r.check or '-'} |")
+    return out
+
+
+def verdict_lines(v: dict) -> list[str]:
+    out = []
+    if "replay_vs_eager_streams" in v:
+        met = {True: " (target >= 3x at batch 1: met)", False: " (target >= 3x at batch 1: NOT met)"}
+        out.append(f"graph replay vs eager streams: {v['replay_vs_eager_streams']:.2f}x faster"
+                   + met.get(v.get("replay_target_met"), ""))
+    if "best_vs_unsplit_compiled" in v:
+        out.append(f"best fastpipe ({v['best_fastpipe']}) / best unsplit compiled ({v['best_unsplit_compiled']}): "
+                   f"{v['best_vs_unsplit_compiled']:.2f}x (target <= 1.1x: "
+                   f"{'met' if v['unsplit_target_met'] else 'NOT met'})")
+    return out
+
+
+def row_json(r: Row) -> dict:
+    d = {"variant": r.variant, "compile_s": r.compile_s, "recompile_s": r.recompile_s, "check": r.check,
+         "notes": r.notes, "error": r.error}
+    if r.samples:
+        d.update(median_ms=statistics.median(r.samples), p10_ms=pct(r.samples, 0.1), p90_ms=pct(r.samples, 0.9),
+                 samples=len(r.samples), calls_per_sample=r.inner)
+    return d
+
+
+def write_json(path: str, doc: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    import torch
+
+    from bench.machine import machine_info
+    from fastpipe.weights import WeightStore
+
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     info = machine_info()
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
-    print(f"model: Llama-family, {args.layers} layers, hidden {args.hidden}, 8 q / 4 kv heads, tp=2, "
-          f"decode step (1 token over {args.past} cached)")
-    header = ("shape", "variant", "median ms", "ratio")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
-    for r in [header, tuple("-" * w for w in widths)] + rows:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-    return 0
+    header = [("machine: " + ", ".join(f"{k} {v}" for k, v in info.items())
+               + (f", cuda {torch.version.cuda}" if args.device == "cuda" else f", torch threads {torch.get_num_threads()}")),
+              f"command: python bench/{Path(__file__).name} " + " ".join(sys.argv[1:] if argv is None else argv),
+              f"model: Llama-family, {args.layers} layers, hidden {args.hidden}, {args.heads} q / {args.kv_heads} kv "
+              f"heads, vocab {args.vocab}, {args.dtype}, tp=2, every slot on {args.device}",
+              f"timing: median and p10/p90 of {args.repeat} samples per variant (each the mean of back-to-back calls "
+              f"lasting ~{args.sample_ms:g} ms, every call synchronized), after {args.warmup} warm-up calls, "
+              "variants interleaved"]
+    print("\n".join(header), flush=True)
+    doc = {"machine": info, "args": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
+           "cases": [], "not_run": []}
+    todo = [(step, b) for step in args.case_list for b in args.batch_list]
+    failed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "llama"
+        model = make_checkpoint(args, folder).to(args.device)
+        store = WeightStore()
+        for i, (step, b) in enumerate(todo):
+            if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+                doc["not_run"] = [f"{s} batch {bb}" for s, bb in todo[i:]]
+                print(f"\n(budget of {args.budget_s:g} s used: not run: {', '.join(doc['not_run'])})")
+                break
+            title = (f"decode step, batch {b}, 1 token over {args.past} cached" if step == "decode"
+                     else f"prefill step, batch {b}, {args.prefill_len} tokens")
+            rows = run_case(args, step, b, folder, model, store, Path(tmp) / f"{step}{b}")
+            measure(rows, args.repeat, args.warmup, args.sample_ms)
+            v = verdicts(rows, b)
+            print(f"\n### {title}\n\n" + "\n".join(table(rows)))
+            for line in verdict_lines(v):
+                print(f"\n{line}")
+            notes = [(r.variant, n) for r in rows for n in r.notes]
+            if notes:
+                print()
+                for variant, n in notes:
+                    print(f"- {variant}: {n}")
+            print(f"({time.perf_counter() - t_start:.0f} s so far)", flush=True)
+            failed += [f"{title}: {r.variant}" for r in rows if r.variant.startswith("fastpipe")
+                       and (r.error or r.check.startswith("MISMATCH"))]
+            doc["cases"].append({"title": title, "step": step, "batch": b, "rows": [row_json(r) for r in rows],
+                                 "verdicts": v})
+            if args.json:
+                write_json(args.json, doc)
+            for r in rows:                 # free this case's sessions (and their device memory)
+                sess = getattr(r, "session", None)
+                if sess is not None:
+                    sess.close()
+                r.fn = r.session = None
+            del rows
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    doc["failed"] = failed
+    if args.json:
+        write_json(args.json, doc)
+    print(f"\n(total {time.perf_counter() - t_start:.0f} s)")
+    if failed:
+        print("fastpipe rows that failed or mismatched: " + "; ".join(failed))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""bench/report_runtime.py (issue 16's runtime table) runs end to end on the CPU, checks every row's
+logits against the unsplit model, and states its targets from the rows it measured."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_report_runtime_quick_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "runtime.json"
+    r = subprocess.run([sys.executable, "bench/report_runtime.py", "--device", "cpu", "--quick", "--cases", "decode",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [c["title"] for c in doc["cases"]] == ["decode step, batch 1, 1 token over 16 cached"]
+    rows = {row["variant"]: row for row in doc["cases"][0]["rows"]}
+    assert set(rows) == {"fastpipe region compiled", "fastpipe region eager", "fastpipe cpu processor eager",
+                         "unsplit eager", "unsplit compiled"}
+    for name, row in rows.items():
+        assert row["error"] == "", (name, row["error"])
+        assert row["check"].startswith("ok"), (name, row["check"])
+        assert row["median_ms"] > 0 and row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
+    assert rows["fastpipe region compiled"]["compile_s"] > 0
+    v = doc["cases"][0]["verdicts"]
+    assert v["best_unsplit_compiled"] == "unsplit compiled"
+    best = min((r for n, r in rows.items() if n.startswith("fastpipe")), key=lambda r: r["median_ms"])
+    assert v["best_fastpipe"] == best["variant"]
+    assert v["best_vs_unsplit_compiled"] == pytest.approx(best["median_ms"] / rows["unsplit compiled"]["median_ms"])
+    assert doc["failed"] == [] and doc["not_run"] == []
+    assert "best fastpipe" in r.stdout and "| fastpipe region compiled |" in r.stdout
+
+
+def _row(variant, ms, check="ok"):
+    from bench.report_region import Row
+
+    return Row(variant, samples=[ms, ms, ms], check=check)
+
+
+def test_verdicts_targets():
+    from bench.report_runtime import verdicts
+
+    rows = [_row("fastpipe cuda, graph replay", 1.0), _row("fastpipe cuda, eager streams", 2.5),
+            _row("fastpipe region compiled + replay", 0.9), _row("unsplit compiled", 1.2),
+            _row("unsplit compiled, reduce-overhead", 0.85), _row("unsplit eager", 3.0)]
+    v = verdicts(rows, batch=1)
+    assert v["replay_vs_eager_streams"] == pytest.approx(2.5) and v["replay_target_met"] is False
+    assert v["best_fastpipe"] == "fastpipe region compiled + replay"
+    assert v["best_unsplit_compiled"] == "unsplit compiled, reduce-overhead"
+    assert v["best_vs_unsplit_compiled"] == pytest.approx(0.9 / 0.85) and v["unsplit_target_met"] is True
+    assert "replay_target_met" not in verdicts(rows, batch=8)          # the replay target is set at batch 1
+    rows[2] = _row("fastpipe region compiled + replay", 0.5, check="MISMATCH (max err 1)")   # wrong rows never win
+    assert verdicts(rows, batch=1)["best_fastpipe"] == "fastpipe cuda, graph replay"
