@@ -22,7 +22,10 @@ all_gather_matmul (a[i]: [M/n, K] (dim 0) or [M, K/n] (dim 1), b[j] = w_j.t(): [
   torch.mm one mm of [M, K] x [K, N]: the same FLOPs
 
 Each time is triton.testing.do_bench's median (p20-p80 shown) after its warm-up; the fused
-kernel's first call (Triton compile) is reported apart. TFLOP/s = 2*M*N*K_total / time.
+kernel's first call (Triton compile) is reported apart. TFLOP/s = 2*M*N*K_total / time, and its
+share of the GPU's dense bf16/fp16 peak (PEAK_TFLOPS_16BIT, by device name; --peak-tflops overrides).
+The targets (issue 16), checked per row from M = 1024 on: fused >= 1.3x the unfused path, and fused
+TFLOP/s >= 70% of torch.mm's.
 The "rule" column is what ``fused_is_faster`` (the runtime's threshold) picks today.
 
 --check compares every variant's result with one float32 reference computed from the same
@@ -59,6 +62,29 @@ from tests.tensor_compare import error_ratio  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KERNELS = ("matmul_reduce_scatter", "all_gather_matmul")
 VARIANTS = ("fused", "unfused", "torch.mm")
+
+# dense (no sparsity) bf16/fp16 tensor-core peak, TFLOP/s, from the vendor's data sheets; the first
+# name fragment found in torch.cuda.get_device_name() wins (so "H100 PCIe" before "H100")
+PEAK_TFLOPS_16BIT = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.4), ("H200", 989.4),
+                     ("H100", 989.4), ("H800", 989.4), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1),
+                     ("L4", 121.0), ("B200", 2250.0))
+TARGET_SPEEDUP, TARGET_OF_MM, TARGET_FROM_M = 1.3, 0.70, 1024      # issue 16's targets, from M = 1024 on
+
+
+def peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
+    """The GPU's dense 16-bit tensor-core peak (None: an unknown GPU, or float32, whose peak depends on TF32)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return next((tf for frag, tf in PEAK_TFLOPS_16BIT if frag in device_name), None)
+
+
+def targets(row: dict) -> dict:
+    """Issue 16's targets for one row with M >= 1024: fused >= 1.3x the unfused path, and fused
+    TFLOP/s >= 70% of one torch.mm's of the same work; {} below that M."""
+    if row["M"] < TARGET_FROM_M:
+        return {}
+    of_mm = row["fused_tflops"] / row["torch.mm_tflops"]
+    return {"speedup_met": row["speedup"] >= TARGET_SPEEDUP, "of_torch_mm": of_mm, "of_torch_mm_met": of_mm >= TARGET_OF_MM}
 
 # ---------------------------------------------------------------------------------------- tolerances
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
@@ -185,7 +211,7 @@ def variants(kernel, M, NK, n, dim, dtype, device):
     return a, b, fns, split, NK, NK
 
 
-def run_case(kernel, M, NK, n, dim, dtype, device, check: bool) -> dict:
+def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | None = None) -> dict:
     made = variants(kernel, M, NK, n, dim, dtype, device)
     if made is None:
         return {}
@@ -208,21 +234,30 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool) -> dict:
         med, p20, p80 = bench(fn, device)
         row[f"{name}_ms"], row[f"{name}_p20"], row[f"{name}_p80"] = med, p20, p80
         row[f"{name}_tflops"] = flops / (med * 1e-3) / 1e12
+        row[f"{name}_of_peak"] = row[f"{name}_tflops"] / peak if peak else None
+    row["peak_tflops"] = peak
     row["speedup"] = row["unfused_ms"] / row["fused_ms"]
     row["rule_says_fused"] = fused_is_faster(M, N, k_total, n, dtype)
+    row["targets"] = targets(row)
     return row
 
 
 def print_table(rows: list[dict], check: bool) -> None:
     header = ["kernel", "M", "N=K", "n", "fused ms (p20-p80)", "unfused ms", "torch.mm ms", "speedup", "fused TF/s",
-              "unfused TF/s", "torch.mm TF/s", "first call ms", "rule: fused?"] + (["check"] if check else [])
+              "unfused TF/s", "torch.mm TF/s", "fused % peak", "torch.mm % peak", "fused / torch.mm", "first call ms",
+              "rule: fused?", "targets (M >= 1024)"] + (["check"] if check else [])
     table = []
+    pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
     for r in rows:
+        t = r.get("targets") or {}
+        verdict = "-" if not t else (f"{'met' if t['speedup_met'] else 'MISSED'} >= {TARGET_SPEEDUP}x, "
+                                     f"{'met' if t['of_torch_mm_met'] else 'MISSED'} >= {TARGET_OF_MM:.0%} of torch.mm")
         table.append([r["kernel"], str(r["M"]), str(r["N=K"]), str(r["n"]),
                       f"{r['fused_ms']:.3f} ({r['fused_p20']:.3f}-{r['fused_p80']:.3f})", f"{r['unfused_ms']:.3f}",
                       f"{r['torch.mm_ms']:.3f}", f"{r['speedup']:.2f}x", f"{r['fused_tflops']:.1f}",
-                      f"{r['unfused_tflops']:.1f}", f"{r['torch.mm_tflops']:.1f}", f"{r['first_call_ms']:.0f}",
-                      "yes" if r["rule_says_fused"] else "no"]
+                      f"{r['unfused_tflops']:.1f}", f"{r['torch.mm_tflops']:.1f}", pct(r.get("fused_of_peak")),
+                      pct(r.get("torch.mm_of_peak")), f"{r['fused_tflops'] / r['torch.mm_tflops']:.2f}",
+                      f"{r['first_call_ms']:.0f}", "yes" if r["rule_says_fused"] else "no", verdict]
                      + ([r["check"] + " (" + ", ".join(f"{k} {v:.2f}" for k, v in r["worst_err_over_tol"].items())
                          + " of tol)"] if check else []))
     widths = [max(len(x[i]) for x in table + [header]) for i in range(len(header))]
@@ -298,6 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", nargs="+", metavar="RESULTS_JSON",
                     help="no timing: read these result files and print (--json: write) the measured crossovers")
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny sizes: tests the script")
+    ap.add_argument("--peak-tflops", type=float,
+                    help="the GPU's dense 16-bit peak TFLOP/s (default: PEAK_TFLOPS_16BIT by the device's name)")
     args = ap.parse_args(argv)
 
     if args.threshold:
@@ -322,7 +359,11 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype]
     kernels = KERNELS if args.kernel == "both" else (args.kernel,)
     info = machine_info()
+    peak = args.peak_tflops or (peak_tflops(info["device"], dtype) if device.type == "cuda" else None)
+    info["peak_tflops"] = peak
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
+    if device.type == "cuda" and peak is None:
+        print(f"no {args.dtype} peak known for {info['device']}: the % peak columns are empty (--peak-tflops sets it)")
     print(f"{', '.join(kernels)}, dtype {args.dtype}, dim {args.dim}, all participants on {device}"
           + (" (SMOKE RUN: interpreter, timings meaningless)" if args.smoke else ""))
     rows = []
@@ -330,7 +371,7 @@ def main(argv=None) -> int:
         for nk in nks:
             for n in ns:
                 for M in ms:
-                    row = run_case(kernel, M, nk, n, args.dim, dtype, device, args.check)
+                    row = run_case(kernel, M, nk, n, args.dim, dtype, device, args.check, peak)
                     if not row:
                         print(f"skipped {kernel} M={M} N=K={nk} n={n}: the split dimension is not divisible by n")
                         continue
@@ -341,6 +382,10 @@ def main(argv=None) -> int:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
     print_table(rows, args.check)
+    missed = [r for r in rows if r["targets"] and not (r["targets"]["speedup_met"] and r["targets"]["of_torch_mm_met"])]
+    print(f"\ntargets at M >= {TARGET_FROM_M}: {sum(1 for r in rows if r['targets']) - len(missed)} rows met both, "
+          f"{len(missed)} missed one" + ("" if not missed else ": " + "; ".join(
+              f"{r['kernel']} M={r['M']} N=K={r['N=K']} n={r['n']}" for r in missed)))
     print()
     print_thresholds(crossover(rows))
     if args.json:
