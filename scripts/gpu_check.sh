@@ -9,7 +9,16 @@
 #   bash scripts/gpu_check.sh bench      # install + the GPU benchmark suites (bench/report.py)
 #   bash scripts/gpu_check.sh fused      # install + the fused-kernel crossover (bench/bench_fused_kernels.py):
 #                                        # fused.json, and in fused.log the smallest M where fused wins, to set
-#                                        # fastpipe.kernels.fused_is_faster from (not part of `all`)
+#                                        # fastpipe.kernels.fused_is_faster from, the % of bf16 peak and the
+#                                        # targets per row (not part of `all`)
+#   bash scripts/gpu_check.sh runtime    # issue 16, table 1: bench/report_runtime.py (decode and prefill, batch
+#                                        # 1/8/32: replay vs streams vs region vs the unsplit model) -> runtime.json;
+#                                        # it stops starting cases after 480 s: pass e.g. `--cases prefill` to go on
+#   bash scripts/gpu_check.sh serving    # issue 16, table 2: bench/report_serving.py (decode tokens/s vs HF
+#                                        # generate, continuous batching, memory per token) -> serving.json
+#   bash scripts/gpu_check.sh memory     # issue 16, table 4: bench/report_memory.py (load vs safetensors onto
+#                                        # the GPU, measured vs planned peak, 3 buckets' graph pool) -> memory.json
+# Stages from `cuda` on pass further arguments on (to pytest, or to the report script).
 #
 # Each device call may run 10 minutes at most, so a session runs the stages as separate calls
 # (the machine stays warm for 30 s between calls; the install is repeated, it takes seconds).
@@ -18,7 +27,8 @@
 # checked here). Tests needing what is absent are left out and listed in $OUT/summary.txt; with
 # pytest-xdist the plain suite runs on 8 workers (files kept whole per worker). At most 8 files
 # come back from $OUT; this writes: machine.txt, summary.txt, <stage>.log per stage, cuda.xml,
-# plain.xml, bench.json (the fused stage: fused.log, fused.json).
+# plain.xml, bench.json, fused.json, runtime.json, serving.json, memory.json (one stage a call
+# stays well under 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -27,6 +37,11 @@ stage="${1:-all}"
 shift $(( $# > 0 ? 1 : 0 ))
 extra=("$@")                         # cuda and plain stages: passed on to pytest (files, -k, -x, ...)
 summary="$OUT/summary.txt"
+case "$stage" in
+  all|cuda|plain|bench|fused|runtime|serving|memory) ;;
+  *) echo "gpu_check.sh: unknown stage '$stage' (all, cuda, plain, bench, fused, runtime, serving, memory)" | tee -a "$summary"
+     exit 2 ;;
+esac
 
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
@@ -82,7 +97,17 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
   rm -rf "$OUT/bench"
 fi
 if [ "$stage" = fused ]; then
-  run_stage fused 540 python3 bench/bench_fused_kernels.py --kernel both --check --json "$OUT/fused.json" || rc=1
+  run_stage fused 540 python3 bench/bench_fused_kernels.py --kernel both --check --json "$OUT/fused.json" \
+    "${extra[@]}" || rc=1
   python3 bench/bench_fused_kernels.py --threshold "$OUT/fused.json" >> "$OUT/fused.log" 2>&1 || rc=1
+fi
+if [ "$stage" = runtime ]; then   # each script rewrites its JSON after every case/section: a cut-off run keeps them
+  run_stage runtime 560 python3 bench/report_runtime.py --budget-s 480 --json "$OUT/runtime.json" "${extra[@]}" || rc=1
+fi
+if [ "$stage" = serving ]; then
+  run_stage serving 560 python3 bench/report_serving.py --json "$OUT/serving.json" "${extra[@]}" || rc=1
+fi
+if [ "$stage" = memory ]; then
+  run_stage memory 560 python3 bench/report_memory.py --json "$OUT/memory.json" "${extra[@]}" || rc=1
 fi
 exit $rc
