@@ -10,15 +10,20 @@ from safetensors.torch import save_file
 from fastpipe.builder.assemble import Assembler
 
 
-def write_load_pipeline(folder: Path, total_mb: int = 256, tensors: int = 16, slots: int = 2) -> tuple[Path, Path]:
-    """A checkpoint of `tensors` f32 matrices (total_mb MiB) and a pipeline whose constants are
-    row slices of all of them, split over `slots` (as tensor-parallel shards are)."""
+def write_load_pipeline(folder: Path, total_mb: int = 256, tensors: int = 16, slots: int = 2,
+                        dtype: str = "f32") -> tuple[Path, Path]:
+    """A checkpoint of `tensors` matrices (total_mb MiB; `dtype` a format dtype name: f32, bf16, f16)
+    and a pipeline whose constants are row slices of all of them, split over `slots` (as
+    tensor-parallel shards are)."""
+    from fastpipe import dtypes
+
     folder.mkdir(parents=True, exist_ok=True)
     cols = 1024
-    rows = total_mb * 2**20 // (tensors * cols * 4)
+    tdt = dtypes.to_torch(dtype)
+    rows = total_mb * 2**20 // (tensors * cols * tdt.itemsize)
     rows -= rows % slots
     g = torch.Generator().manual_seed(0)
-    ckpt = {f"w{i}": torch.randn(rows, cols, generator=g) for i in range(tensors)}
+    ckpt = {f"w{i}": torch.randn(rows, cols, generator=g).to(tdt) for i in range(tensors)}
     weights = folder / "model.safetensors"
     save_file(ckpt, str(weights))
     del ckpt
@@ -30,7 +35,7 @@ def write_load_pipeline(folder: Path, total_mb: int = 256, tensors: int = 16, sl
         names = []
         for i in range(tensors):
             n = f"w{i}_{s}"
-            a.constant(n, shape=(per, cols), dtype="f32", path=weights.name, name_in_file=f"w{i}",
+            a.constant(n, shape=(per, cols), dtype=dtype, path=weights.name, name_in_file=f"w{i}",
                        placements=[[s * per, (s + 1) * per], [0, cols]])
             names.append(n)
         a.fx(str(s), lambda x, *ws: x + sum(w[0] for w in ws), ["x", *names], [f"y{s}"], blob="sum_first_rows")

@@ -1,0 +1,50 @@
+"""bench/report_memory.py runs end to end on the CPU (--quick): the load section times both sides and
+gives a ratio, the memory section gives the plan's rows (the measured columns need a GPU), and the
+pool section says it needs a GPU instead of printing numbers. Its GPU paths run on a GPU machine:
+`python bench/report_memory.py --json out.json`."""
+import json
+
+import pytest
+
+from bench.report_memory import main
+
+
+def _run(tmp_path, sections: str) -> dict:
+    out = tmp_path / "rows.json"
+    assert main(["--quick", "--device", "cpu", "--sections", sections, "--tmp", str(tmp_path),
+                 "--json", str(out)]) == 0
+    assert not (tmp_path / "rows.json.tmp").exists()          # written by tmp + os.replace
+    doc = json.loads(out.read_text())
+    assert doc["device"] == "cpu" and doc["machine"]["fastpipe"]
+    assert list(doc["sections"]) == sections.split(",")
+    assert doc["rows"] == [r for s in doc["sections"].values() for r in s["rows"]]
+    return doc
+
+
+def test_load_rows_and_pool_needs_a_gpu_on_cpu(tmp_path):
+    doc = _run(tmp_path, "load,pool")
+    load = doc["sections"]["load"]["rows"]
+    assert [r["mode"] for r in load] == ["cold", "warm"]
+    for r in load:
+        assert "error" not in r, r
+        assert r["baseline_s"] > 0 and r["fastpipe_s"] > 0
+        assert r["ratio"] == pytest.approx(r["fastpipe_s"] / r["baseline_s"])
+        assert r["bytes"] >= 15 * 2**20 and r["every_byte_on_device"] is True
+        assert r["fastpipe_bytes_per_s"] == pytest.approx(r["bytes"] / r["fastpipe_s"])
+        assert len(r["baseline_times_s"]) == len(r["fastpipe_times_s"]) == 2
+    pool = doc["sections"]["pool"]["rows"]
+    assert len(pool) == 1 and pool[0]["status"] == "needs a GPU"
+    assert not any(k.endswith("_bytes") for k in pool[0])     # no numbers made up
+
+
+def test_memory_plan_rows_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    doc = _run(tmp_path, "memory")
+    rows = doc["sections"]["memory"]["rows"]
+    assert {(r["shape"].split(" ")[0], r["processor"]) for r in rows} == {
+        (s, p) for s in ("decode", "prefill") for p in ("cpu", "region")}
+    for r in rows:
+        assert "error" not in r, r
+        assert r["predicted_peak_bytes"] > 0 and r["constant_bytes"] > 0 and r["activation_bytes"] > 0
+        assert r["predicted_peak_bytes"] == r["constant_bytes"] + r["activation_bytes"]
+        assert r["measured"] is None and "needs a GPU" in r["note"]
