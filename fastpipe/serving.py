@@ -12,7 +12,7 @@ pipelines take no attention mask, so padding along those dims would change resul
 Build one bucket per length you serve (prefill per prompt length, decode per past length).
 
 Weights: all buckets load through one WeightStore, so a slice shared by several buckets is
-read and held once.
+read and held once, and on a GPU copied there once.
 
 Threads: each bucket's session is used by one thread at a time (a lock per session);
 different buckets run concurrently. A failing request raises to its caller and leaves the

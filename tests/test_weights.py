@@ -548,3 +548,55 @@ def test_concurrent_loads_share_one_object(wfile):
     assert all(x is results[0] for x in results)
     assert same(results[0], torch.arange(32, dtype=torch.float32).reshape(4, 8)[1:3, 2:6])
     assert store.stats()["file_opens"] == 1
+
+
+# -- copies on a device --------------------------------------------------------------
+META = torch.device("meta")      # stands in for a GPU: a copy there is a new tensor, as on cuda
+
+
+def test_one_copy_per_device_shared_and_held_weakly(wfile):
+    """Sessions over one store that place a slice on a device get one shared copy there (they used
+    to copy it each, so N buckets held N copies of the weights on a GPU); it goes with its last holder."""
+    store = WeightStore()
+    a = store.load(ref(wfile, placements=[[0, 2], [0, 8]]), (2, 8), torch.float32, where="t", device=META)
+    gc.collect()                                  # the CPU slice it was copied from is gone now
+    b = store.load(ref(wfile, placements=[[0, 2], [0, 8]]), (2, 8), torch.float32, where="t", device=META)
+    assert store.stats()["slice_misses"] == 1     # a hit on the device reads nothing
+    other = store.load(ref(wfile, placements=[[2, 4], [0, 8]]), (2, 8), torch.float32, where="t", device=META)
+    cpu = store.load(ref(wfile, placements=[[0, 2], [0, 8]]), (2, 8), torch.float32, where="t")
+    assert a is b and a.device == META and a is not other and cpu.device.type == "cpu"
+    s = store.stats()
+    assert (s["device_copies"], s["device_hits"], s["live_device_copies"]) == (2, 1, 2)
+    del a, b, other
+    gc.collect()
+    assert store.stats()["live_device_copies"] == 0
+    assert store.load(ref(wfile), (4, 8), torch.float32, where="t", device="cpu").device.type == "cpu"
+
+
+def test_substitute_reaches_the_device_copies(wfile):
+    """The region processor's merged weights replace the shards on a device as they do on the CPU,
+    so a later session gets the views (and with them the one merged weight)."""
+    store = WeightStore()
+    shard = store.load(ref(wfile, placements=[[0, 2], [0, 8]]), (2, 8), torch.float32, where="t", device=META)
+    merged = torch.empty(4, 8, device=META)
+    view = merged.narrow(0, 0, 2)
+    store.substitute([(shard, view)])
+    again = store.load(ref(wfile, placements=[[0, 2], [0, 8]]), (2, 8), torch.float32, where="t", device=META)
+    assert again is view
+
+
+def test_sessions_over_one_store_share_device_constants(tmp_path):
+    """bind: two sessions' constants on one device are the same objects (so their compiled graphs,
+    keyed on the constants' identity, are shared too)."""
+    import fastpipe
+    from fastpipe.runtime.bind import Binder
+    from tests.examples import GRAPHS
+
+    store = WeightStore()
+    s1 = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", store=store)
+    s2 = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", store=store)
+    names = [n for n, t in s1.pipeline.tensors.items() if t.is_constant]
+    b1 = Binder(s1.pipeline, s1.options, store, {s: META for s in s1.slot_devices})
+    b2 = Binder(s2.pipeline, s2.options, store, {s: META for s in s2.slot_devices})
+    assert names and all(b1.constant(n, META) is b2.constant(n, META) for n in names)
+    assert all(b1.constant(n, META).device == META for n in names)

@@ -8,7 +8,8 @@
 A decode pipeline is one whose model inputs are input_ids [B, 1], cache_position [B] and caches
 [B, Hkv, M, D] returned updated (M = max_len); a prefill pipeline takes input_ids [B, S] only
 and returns logits and caches [B, Hkv, S, D]. Anything else in the folder is refused by name.
-All buckets load through one WeightStore: each weight slice is read and held once, and share one
+All buckets load through one WeightStore: each weight slice is read and held once (on a GPU: one
+copy there, fastpipe.weights.WeightStore.load), and share one
 CUDA-graph memory pool (`graph_pool`, fastpipe.runtime.graph_replay.GraphPool): warmup() captures
 the largest bucket first, and the smaller ones reuse its memory. Graphs in one pool take turns (the
 engine runs one step at a time on one worker anyway): a bucket never replays while another does.

@@ -4,7 +4,7 @@
     program = bind(lower(checked), checked, binder, local_slots={"0"})   # dist: this rank's slots
 
 Each step gets its slot's device and its constants (read once per process by the weight
-store, moved to the device once per binder); each compute step its callable (the fx graph
+store, and copied to a device once per store: sessions over one store share the copy); each compute step its callable (the fx graph
 on the slot's device, compiled when asked; a registered handler for other kinds); each comm
 group with a member to bind its plain-torch callable (fastpipe.runtime.execute.group_fn).
 """
@@ -44,9 +44,9 @@ class Binder:
         if key not in self._const:
             t = self.p.tensors[name]
             ref, where = param_ref(self.p, name, self.opts)
-            cpu = self.store.load(ref, t.shape, dtypes.to_torch(t.dtype), where=where,
-                                  trust_export=self.opts.trust_export_archives)
-            self._const[key] = cpu if device.type == "cpu" else cpu.to(device)
+            # on a GPU the store's copy there: sessions over one store share it (and their compiled graphs)
+            self._const[key] = self.store.load(ref, t.shape, dtypes.to_torch(t.dtype), where=where,
+                                               trust_export=self.opts.trust_export_archives, device=device)
         return self._const[key]
 
     def forget_constants(self) -> None:

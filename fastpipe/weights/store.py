@@ -58,7 +58,10 @@ class WeightStore:
         self._files: dict[FileKey, object] = {}
         self._path_keys: dict[str, FileKey] = {}   # path -> the identity it had when last opened
         self._slices: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self._counts = {"file_opens": 0, "slice_hits": 0, "slice_misses": 0, "bytes_read": 0}
+        # (slice key, device) -> the slice's copy on that device, shared by every session placing it there
+        self._on_device: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._counts = {"file_opens": 0, "slice_hits": 0, "slice_misses": 0, "bytes_read": 0,
+                        "device_copies": 0, "device_hits": 0}
 
     # -- opening -----------------------------------------------------------------
     def _open(self, ref: ParamRef, *, where: str, trust_export: bool):
@@ -104,10 +107,31 @@ class WeightStore:
         self._checked(ref, shape, dtype, where=where, trust_export=trust_export)
 
     def load(self, ref: ParamRef, shape: tuple[int, ...], dtype: torch.dtype, *, where: str,
-             trust_export: bool = False) -> torch.Tensor:
-        """The checked slice as a dense CPU tensor, shared with every other holder of the same slice."""
+             trust_export: bool = False, device: torch.device | None = None) -> torch.Tensor:
+        """The checked slice as a dense CPU tensor, shared with every other holder of the same slice;
+        with a `device` other than the CPU, its copy there, shared the same way (sessions over one store
+        hold one copy of a weight per device, and their graphs see the same constant objects)."""
         key, opened, placements, dtype = self._checked(ref, shape, dtype, where=where, trust_export=trust_export)
         skey = (key, ref.name, placements, dtype)
+        if device is None or torch.device(device).type == "cpu":
+            return self._load_cpu(skey, opened, ref, placements, dtype, where)
+        dkey = (skey, str(device))
+        with self._lock:
+            d = self._on_device.get(dkey)
+            if d is not None:                  # nothing read: the CPU slice may be long gone
+                self._counts["device_hits"] += 1
+                return d
+        d = self._load_cpu(skey, opened, ref, placements, dtype, where).to(device)
+        with self._lock:
+            existing = self._on_device.get(dkey)
+            if existing is not None:  # another thread copied it meanwhile: keep one object
+                self._counts["device_hits"] += 1
+                return existing
+            self._on_device[dkey] = d
+            self._counts["device_copies"] += 1
+        return d
+
+    def _load_cpu(self, skey, opened, ref: ParamRef, placements, dtype, where: str) -> torch.Tensor:
         with self._lock:
             t = self._slices.get(skey)
             if t is not None:
@@ -134,23 +158,27 @@ class WeightStore:
         if not new_for:
             return
         with self._lock:
-            for key, t in list(self._slices.items()):
-                hit = new_for.get(id(t))
-                if hit is not None and hit[0] is t:
-                    self._slices[key] = hit[1]
+            for index in (self._slices, self._on_device):
+                for key, t in list(index.items()):
+                    hit = new_for.get(id(t))
+                    if hit is not None and hit[0] is t:
+                        index[key] = hit[1]
 
     def stats(self) -> dict:
         """``open_files`` (cached handles), ``live_slices`` (slices someone still holds),
-        ``file_opens``, ``slice_hits``, ``slice_misses``, ``bytes_read`` (sum of the
-        sizes of the slices read: a slice costs its own bytes, never the file's)."""
+        ``live_device_copies``, ``file_opens``, ``slice_hits``, ``slice_misses``, ``bytes_read``
+        (sum of the sizes of the slices read: a slice costs its own bytes, never the file's),
+        ``device_copies`` (slices copied to a device) and ``device_hits`` (copies handed out again)."""
         with self._lock:
-            return {"open_files": len(self._files), "live_slices": len(self._slices), **self._counts}
+            return {"open_files": len(self._files), "live_slices": len(self._slices),
+                    "live_device_copies": len(self._on_device), **self._counts}
 
     def clear(self) -> None:
         """Drop cached handles and the slice index (tensors already returned stay valid)."""
         with self._lock:
             self._files.clear()
             self._slices.clear()
+            self._on_device.clear()
 
 
 _default: WeightStore | None = None
