@@ -151,7 +151,9 @@ class CudaProcessor:
     def memory_report(self) -> dict[str, dict]:
         """Per device (str): {"slots", "measured_peak_bytes" (torch.cuda.max_memory_allocated since the
         construction or reset_peak_memory(): every tensor of this process on that device counts, the
-        caller's inputs and a captured graph's pool included), "predicted_peak_bytes" (the plan: the
+        caller's inputs included; a replay allocates nothing, so a peak taken over replays counts the
+        graph's live buffers but not the intermediates inside its pool, which the capture itself
+        allocated: torch.cuda.memory_reserved shows those), "predicted_peak_bytes" (the plan: the
         sum of program.peak_bytes, one micro-batch's intermediates, and constant_bytes of the slots
         there), "activation_bytes", "constant_bytes"}. format_memory_report(report) prints it."""
         report = planned_memory(self.program, self.slot_devices)
