@@ -1,20 +1,28 @@
 """Shared cases of the generation benchmarks (bench/report_generation.py, bench/test_bench_generation.py).
 
-    root, model = make_model(tmp, layers=4, hidden=512)        # a random Llama-family checkpoint
+    root, model = make_model(tmp, layers=4, hidden=512)        # a random Llama-family checkpoint (dtype=: bf16)
     folder = make_set(root, tmp / "set", max_len=320, batches=(1, 8), tp=2)
     toks = hf_generate(model, prompt, n, compiled=True)        # transformers, static cache (compiled: torch.compile)
     prompts, news = load_requests(64, vocab)                    # the load test's requests
+
+hf_generate runs on the model's device (model.to("cuda") first for a GPU run).
 """
 from __future__ import annotations
 
 import os
 import time
+import weakref
 from pathlib import Path
 
 import torch
 
 
-def make_model(root: Path, *, layers: int = 4, hidden: int = 512, vocab: int = 8000, seed: int = 0):
+def make_model(root: Path, *, layers: int = 4, hidden: int = 512, vocab: int = 8000, seed: int = 0,
+               dtype: torch.dtype | None = None):
+    """(folder, model): a random Llama-family checkpoint saved under root/model, and the model (CPU, eval).
+    dtype (e.g. torch.bfloat16; default float32) goes into the config: save_random_checkpoint builds the
+    model in the config's dtype and save_pretrained writes it to config.json, whence build_hf (and so
+    build_serving_set) takes it when given no dtype (fastpipe.builder.hf.load.load_skeleton)."""
     import transformers
 
     from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
@@ -22,6 +30,8 @@ def make_model(root: Path, *, layers: int = 4, hidden: int = 512, vocab: int = 8
     cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=8,
                                    num_key_value_heads=4, intermediate_size=hidden * 11 // 4, vocab_size=vocab,
                                    bos_token_id=1, eos_token_id=2, max_position_embeddings=2048)
+    if dtype is not None:
+        cfg.dtype = dtype
     folder = root / "model"
     return folder, save_random_checkpoint(cfg, folder, seed=seed).eval()
 
@@ -33,25 +43,63 @@ def make_set(model_dir: Path, out: Path, *, max_len: int, batches=(1, 8), prompt
     return out
 
 
-def hf_generate(model, prompt: list[int], n: int, *, compiled: bool, max_cache_len: int | None = None) -> list[int]:
-    """transformers' greedy generate with its static cache (of max_cache_len positions: the engine's
-    max_len, so both attend over as many; default prompt + n); compiled: its forward under
-    torch.compile (transformers compiles itself on GPUs; on a CPU only when asked, as here)."""
-    from transformers import CompileConfig, StaticCache
+_STATIC_CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> {key: StaticCache}
 
-    ids = torch.tensor([prompt])
+
+def _static_cache(model, max_cache_len: int):
+    """One StaticCache per (model, length, device, dtype), reset between calls (as transformers' own
+    cache_implementation="static" does): its tensors keep their addresses, which transformers marks
+    static, so a compiled forward under CUDA graphs (reduce-overhead) replays instead of re-recording
+    on every generate() that a fresh cache would bring."""
+    from transformers import StaticCache
+
+    p = next(model.parameters())
+    key = (max_cache_len, str(p.device), p.dtype)
+    caches = _STATIC_CACHES.setdefault(model, {})
+    cache = caches.get(key)
+    if cache is None:
+        cache = caches[key] = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    else:
+        cache.reset()              # zeroes the keys, values and length in place
+    return cache
+
+
+def hf_generate(model, prompt: list[int], n: int, *, compiled: bool, max_cache_len: int | None = None,
+                compile_mode: str | None = None) -> list[int]:
+    """transformers' greedy generate with its static cache (of max_cache_len positions: the engine's
+    max_len, so both attend over as many; default prompt + n), on the model's device; compiled: its
+    forward under torch.compile (transformers compiles itself on GPUs; on a CPU only when asked, as
+    here) in compile_mode (default: "reduce-overhead", transformers' own default, CUDA graphs, on a
+    GPU; "default" on a CPU). Returns the new tokens (host ints: the call has synchronized)."""
+    import warnings
+
+    from transformers import CompileConfig
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
     kwargs = dict(disable_compile=not compiled)
     if max_cache_len is None:
         kwargs["cache_implementation"] = "static"
     else:
-        kwargs["past_key_values"] = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        kwargs["past_key_values"] = _static_cache(model, max_cache_len)
     if compiled:
-        cc = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+        mode = compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
+        cc = CompileConfig(fullgraph=True, dynamic=False, mode=mode)
         cc._compile_all_devices = True
         kwargs["compile_config"] = cc
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0, **kwargs)
+    # No EOS: greedy argmax at every step, as the engine's ignore_eos=True (min_new_tokens alone would
+    # mask the EOS logit, a different token whenever EOS is the argmax); min_new_tokens stays as a guard
+    gc = model.generation_config
+    saved = gc.eos_token_id
+    gc.eos_token_id = None
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            # transformers >= 5.2x renames generate's past_key_values to cache; older ones know only past_key_values
+            warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None, **kwargs)
+    finally:
+        gc.eos_token_id = saved
     return out[0, len(prompt):].tolist()
 
 
@@ -98,3 +146,16 @@ def rss_per_token(engine, prompt, n: int) -> list[int]:
     for _ in engine.submit(prompt, max_new_tokens=n, ignore_eos=True):
         out.append(rss_bytes())
     return out
+
+
+def memory_per_token(engine, prompt, n: int, *, cuda: bool = False):
+    """One request of n streamed tokens: (its tokens, RSS after each token, torch.cuda.memory_allocated()
+    after each token (cuda; else None), seconds from submit to the last token)."""
+    toks, rss, gpu = [], [], [] if cuda else None
+    t0 = time.perf_counter()
+    for tok in engine.submit(prompt, max_new_tokens=n, ignore_eos=True):
+        toks.append(tok)
+        rss.append(rss_bytes())
+        if cuda:
+            gpu.append(torch.cuda.memory_allocated())
+    return toks, rss, gpu, time.perf_counter() - t0
