@@ -14,10 +14,14 @@
 #   bash scripts/gpu_check.sh runtime    # issue 16, table 1: bench/report_runtime.py (decode and prefill, batch
 #                                        # 1/8/32: replay vs streams vs region vs the unsplit model) -> runtime.json;
 #                                        # it stops starting cases after 480 s: pass e.g. `--cases prefill` to go on
-#   bash scripts/gpu_check.sh serving    # issue 16, table 2: bench/report_serving.py (decode tokens/s vs HF
-#                                        # generate, continuous batching, memory per token) -> serving.json
-#   bash scripts/gpu_check.sh memory     # issue 16, table 4: bench/report_memory.py (load vs safetensors onto
-#                                        # the GPU, measured vs planned peak, 3 buckets' graph pool) -> memory.json
+#   bash scripts/gpu_check.sh serving --sections 1       # issue 16, table 2: bench/report_serving.py
+#   bash scripts/gpu_check.sh serving --sections 2,3,4   # (decode tokens/s vs HF generate; continuous
+#                                        # batching; memory per token; buckets' weights) -> serving.json
+#   bash scripts/gpu_check.sh memory --sections load,memory   # issue 16, table 4: bench/report_memory.py
+#   bash scripts/gpu_check.sh memory --sections pool          # (load vs safetensors onto the GPU, measured
+#                                        # vs planned peak, 3 buckets' graph pool) -> memory.json
+# A session with a device runs, one call each: cuda (split by file if near 540 s), plain, fused, then
+# runtime, serving x2, memory x2 (issue 16) in a later session if the 30 device minutes run out.
 # Stages from `cuda` on pass further arguments on (to pytest, or to the report script).
 #
 # Each device call may run 10 minutes at most, so a session runs the stages as separate calls
