@@ -6,6 +6,8 @@
     python bench/bench_fused_kernels.py --kernel all_gather_matmul --dim 0
     python bench/bench_fused_kernels.py --ms 16,8192 --nk 4096 --ns 2 --json fused.json
     python bench/bench_fused_kernels.py --smoke               # CPU, TRITON_INTERPRET=1, tiny: tests the script
+    python bench/bench_fused_kernels.py --kernel both --tune --check --ms 1024,8192 --json tune.json  # per shape
+    python bench/bench_fused_kernels.py --write-tuned fastpipe/kernels/tuned_configs.json tune.json   # -> table
 
 Default grid: M in {16, 128, 1024, 8192}, N = K in {4096, 8192}, n in {2, 4}, bf16, dim 0.
 
@@ -31,6 +33,11 @@ The "rule" column is what ``fused_is_faster`` (the runtime's threshold) picks to
 --check compares every variant's result with one float32 reference computed from the same
 inputs upcast, with tolerances for the dtype (``tolerance`` below): a mismatch exits 1.
 
+--tune times the fused kernel under each of tune_candidates' launch configs (short do_bench runs),
+times the fastest again in full and checks it (--check); --write-tuned turns the rows where it beat
+the heuristic by more than 3% into fastpipe.kernels.tuned's table, which pick_config consults first
+on that GPU (the "fused" column of a later run then times the tuned kernel).
+
 --threshold reads result files and prints, per (kernel, N, K_total, n, dtype), the measured
 crossover: the smallest M from which the fused kernel beat the unfused path at every measured
 M (``crossover``); with --json it writes them. That is the data ``fused_is_faster`` is to be set
@@ -40,6 +47,7 @@ except --smoke (tiny sizes, TRITON_INTERPRET=1 on CPU, timings meaningless).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -56,7 +64,7 @@ import torch  # noqa: E402
 
 from bench.machine import machine_info  # noqa: E402
 from fastpipe import comm  # noqa: E402
-from fastpipe.kernels import all_gather_matmul, fused_is_faster, matmul_reduce_scatter  # noqa: E402
+from fastpipe.kernels import KernelConfig, all_gather_matmul, fused_is_faster, matmul_reduce_scatter  # noqa: E402
 from tests.tensor_compare import error_ratio  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -111,12 +119,12 @@ def tolerance(variant: str, kernel: str, dtype: torch.dtype, device: torch.devic
 
 
 # ---------------------------------------------------------------------------------------- the cases
-def bench(fn, device) -> tuple[float, float, float]:
-    """(median, p20, p80) in ms."""
+def bench(fn, device, quick: bool = False) -> tuple[float, float, float]:
+    """(median, p20, p80) in ms; quick: a shorter run (ranking --tune's candidates)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        med, p20, p80 = do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+        med, p20, p80 = do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, quantiles=[0.5, 0.2, 0.8])
         return med, p20, p80
     ts = []
     for _ in range(3):
@@ -242,6 +250,83 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | No
     return row
 
 
+# ---------------------------------------------------------------------------------------- tuning
+def launcher_shape(kernel: str, M: int, NK: int, n: int, dim: int) -> tuple[str, int, int, int]:
+    """(launcher, M, N, K) as pick_config sees them for one fused call (fastpipe.kernels.tuned)."""
+    if kernel == "matmul_reduce_scatter":
+        return "mm_sum", M, NK, NK
+    return ("gather_rows", M, NK // n, NK) if dim == 0 else ("mm_sum", M, NK // n, NK // n)
+
+
+def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool) -> list[KernelConfig]:
+    """The configs --tune times: block_m around M's power of two (16..128), block_n 64/128/256 (not
+    past N), block_k 64/128, (4 warps, 4 stages) or (8 warps, 3 stages); at most ~200 KiB of shared
+    memory (an H100 has 227 KiB a block). --smoke: two interpreter-sized ones."""
+    if smoke:
+        return [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1),
+                KernelConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1)]
+    p = 16
+    while p < M and p < 128:
+        p *= 2
+    bms = sorted({max(16, p // 2), p, min(128, p * 2)})
+    elt = torch.finfo(dtype).bits // 8
+    out = []
+    for bm in bms:
+        for bn in (64, 128, 256):
+            if bn > max(64, N):
+                continue
+            for bk in (64, 128):
+                for warps, stages in ((4, 4), (8, 3)):
+                    if stages * (bm * bk + bk * bn) * elt > 200 * 1024:
+                        continue
+                    out.append(KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages))
+    return out
+
+
+def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smoke: bool) -> dict:
+    """Time the fused kernel under every candidate config; the fastest, checked, vs the heuristic's time."""
+    made = variants(kernel, M, NK, n, dim, dtype, device)
+    a, b, _, _, _, _ = made
+    fused = (lambda cfg: matmul_reduce_scatter(a, b, dim=dim, config=cfg)) if kernel == "matmul_reduce_scatter" \
+        else (lambda cfg: all_gather_matmul(a, b, dim=dim, config=cfg))
+    launcher, lm, ln, lk = launcher_shape(kernel, M, NK, n, dim)
+    timed = []
+    for cfg in tune_candidates(lm, ln, dtype, smoke):
+        try:
+            fused(cfg)                                       # compile
+            timed.append((bench(lambda cfg=cfg: fused(cfg), device, quick=True)[0], cfg))
+        except Exception as e:  # noqa: BLE001 - a config the GPU cannot run (resources) is skipped, and counted
+            row.setdefault("tune_skipped", []).append(f"{cfg}: {type(e).__name__}: {' '.join(str(e).split())[:120]}")
+    if not timed:
+        return {}
+    best_ms, best = min(timed, key=lambda t: t[0])
+    best_ms = bench(lambda: fused(best), device)[0]          # the winner, timed like every other row
+    out = {"launcher": launcher, "M": lm, "N": ln, "K": lk, "n": n, "config": dataclasses.asdict(best),
+           "ms": best_ms, "heuristic_ms": row["fused_ms"], "candidates": len(timed)}
+    if check:
+        refs, mags = reference_f32(kernel, a, b, dim)
+        out["check"] = "ok" if check_variant(kernel, "fused", fused(best), refs, mags, dtype, device) <= 1.0 \
+            else "MISMATCH"
+    return out
+
+
+def tuned_table(paths, min_gain: float = 0.03) -> dict:
+    """fastpipe.kernels.tuned's table from --tune result files: one entry per tuned row whose best
+    config beat the heuristic's by more than min_gain (elsewhere the heuristic stays)."""
+    entries = []
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        device = doc["machine"]["device"]
+        for r in doc["rows"]:
+            t = r.get("tuned")
+            if not t or t.get("check", "ok") != "ok" or t["ms"] >= (1 - min_gain) * t["heuristic_ms"]:
+                continue
+            entries.append({"launcher": t["launcher"], "device": device, "dtype": r["dtype"], "M": t["M"],
+                            "N": t["N"], "K": t["K"], "n": t["n"], "config": t["config"], "ms": t["ms"],
+                            "heuristic_ms": t["heuristic_ms"]})
+    return {"format": 1, "entries": entries}
+
+
 def print_table(rows: list[dict], check: bool) -> None:
     header = ["kernel", "M", "N=K", "n", "fused ms (p20-p80)", "unfused ms", "torch.mm ms", "speedup", "fused TF/s",
               "unfused TF/s", "torch.mm TF/s", "fused % peak", "torch.mm % peak", "fused / torch.mm", "first call ms",
@@ -333,9 +418,26 @@ def main(argv=None) -> int:
     ap.add_argument("--threshold", nargs="+", metavar="RESULTS_JSON",
                     help="no timing: read these result files and print (--json: write) the measured crossovers")
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny sizes: tests the script")
+    ap.add_argument("--tune", action="store_true",
+                    help="also time the fused kernel under each candidate launch config (tune_candidates): the "
+                         "fastest goes to the row's 'tuned' (slow: minutes on a GPU; narrow it with --ms/--nk/--ns)")
+    ap.add_argument("--write-tuned", nargs="+", metavar=("TABLE_JSON", "RESULTS_JSON"),
+                    help="no timing: write fastpipe.kernels.tuned's table (TABLE_JSON) from --tune result files")
     ap.add_argument("--peak-tflops", type=float,
                     help="the GPU's dense 16-bit peak TFLOP/s (default: PEAK_TFLOPS_16BIT by the device's name)")
     args = ap.parse_args(argv)
+
+    if args.write_tuned:
+        if len(args.write_tuned) < 2:
+            ap.error("--write-tuned: expected TABLE_JSON and at least one RESULTS_JSON")
+        table = tuned_table(args.write_tuned[1:])
+        out = Path(args.write_tuned[0])
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, out)
+        print(f"wrote {out}: {len(table['entries'])} tuned configs (rows whose best config beat the heuristic's "
+              "by more than 3%); ship it as fastpipe/kernels/tuned_configs.json or point FASTPIPE_TUNED_CONFIGS at it")
+        return 0
 
     if args.threshold:
         ts = crossover(read_rows(args.threshold))
@@ -375,6 +477,14 @@ def main(argv=None) -> int:
                     if not row:
                         print(f"skipped {kernel} M={M} N=K={nk} n={n}: the split dimension is not divisible by n")
                         continue
+                    if args.tune:
+                        row["tuned"] = tune_case(kernel, M, nk, n, args.dim, dtype, device, row, args.check,
+                                                 args.smoke)
+                        t = row["tuned"]
+                        if t:
+                            print(f"  tuned {kernel} M={M} N=K={nk} n={n}: {t['ms']:.3f} ms with {t['config']} "
+                                  f"vs the heuristic's {t['heuristic_ms']:.3f} ms ({t['candidates']} configs"
+                                  + (f", check {t['check']}" if "check" in t else "") + ")", flush=True)
                     rows.append(row)
                     print(f"  {kernel} M={M} N=K={nk} n={n}: fused {row['fused_ms']:.3f} ms, unfused "
                           f"{row['unfused_ms']:.3f} ms, torch.mm {row['torch.mm_ms']:.3f} ms"
@@ -391,7 +501,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows}, indent=1))
         print(f"wrote {args.json}")
-    if args.check and any(r["check"] != "ok" for r in rows):
+    if args.check and any(r["check"] != "ok" or r.get("tuned", {}).get("check", "ok") != "ok" for r in rows):
         print("MISMATCH: see the check column", file=sys.stderr)
         return 1
     return 0

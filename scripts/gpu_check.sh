@@ -11,6 +11,9 @@
 #                                        # fused.json, and in fused.log the smallest M where fused wins, to set
 #                                        # fastpipe.kernels.fused_is_faster from, the % of bf16 peak and the
 #                                        # targets per row (not part of `all`)
+#   bash scripts/gpu_check.sh tune       # the fused kernels' launch configs per shape (--tune, M 1024 and 8192):
+#                                        # tune.json and tuned_configs.json, to commit as
+#                                        # fastpipe/kernels/tuned_configs.json where it beat the heuristic
 #   bash scripts/gpu_check.sh runtime    # issue 16, table 1: bench/report_runtime.py (decode and prefill, batch
 #                                        # 1/8/32: replay vs streams vs region vs the unsplit model) -> runtime.json;
 #                                        # it stops starting cases after 480 s: pass e.g. `--cases prefill` to go on
@@ -31,8 +34,8 @@
 # checked here). Tests needing what is absent are left out and listed in $OUT/summary.txt; with
 # pytest-xdist the plain suite runs on 8 workers (files kept whole per worker). At most 8 files
 # come back from $OUT; this writes: machine.txt, summary.txt, <stage>.log per stage, cuda.xml,
-# plain.xml, bench.json, fused.json, runtime.json, serving.json, memory.json (one stage a call
-# stays well under 8).
+# plain.xml, bench.json, fused.json, tune.json, tuned_configs.json, runtime.json, serving.json,
+# memory.json (one stage a call stays well under 8).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -42,8 +45,8 @@ shift $(( $# > 0 ? 1 : 0 ))
 extra=("$@")                         # cuda and plain stages: passed on to pytest (files, -k, -x, ...)
 summary="$OUT/summary.txt"
 case "$stage" in
-  all|cuda|plain|bench|fused|runtime|serving|memory) ;;
-  *) echo "gpu_check.sh: unknown stage '$stage' (all, cuda, plain, bench, fused, runtime, serving, memory)" | tee -a "$summary"
+  all|cuda|plain|bench|fused|tune|runtime|serving|memory) ;;
+  *) echo "gpu_check.sh: unknown stage '$stage' (all, cuda, plain, bench, fused, tune, runtime, serving, memory)" | tee -a "$summary"
      exit 2 ;;
 esac
 
@@ -104,6 +107,11 @@ if [ "$stage" = fused ]; then
   run_stage fused 540 python3 bench/bench_fused_kernels.py --kernel both --check --json "$OUT/fused.json" \
     "${extra[@]}" || rc=1
   python3 bench/bench_fused_kernels.py --threshold "$OUT/fused.json" >> "$OUT/fused.log" 2>&1 || rc=1
+fi
+if [ "$stage" = tune ]; then
+  run_stage tune 540 python3 bench/bench_fused_kernels.py --kernel both --tune --check --ms 1024,8192 \
+    --json "$OUT/tune.json" "${extra[@]}" || rc=1
+  python3 bench/bench_fused_kernels.py --write-tuned "$OUT/tuned_configs.json" "$OUT/tune.json" >> "$OUT/tune.log" 2>&1 || rc=1
 fi
 if [ "$stage" = runtime ]; then   # each script rewrites its JSON after every case/section: a cut-off run keeps them
   run_stage runtime 560 python3 bench/report_runtime.py --budget-s 480 --json "$OUT/runtime.json" "${extra[@]}" || rc=1

@@ -45,3 +45,53 @@ def test_smoke_run_checks_every_variant(tmp_path):
         assert row["fused_ms"] > 0 and row["peak_tflops"] is None and row["fused_of_peak"] is None
         assert row["targets"] == {}                      # the smoke sizes are below M = 1024
     assert "targets at M >= 1024" in r.stdout and "measured crossover" in r.stdout
+
+
+def test_tune_candidates_fit_and_follow_m():
+    from bench.bench_fused_kernels import launcher_shape, tune_candidates
+
+    for M, N in ((16, 4096), (128, 2048), (8192, 4096), (1024, 32)):
+        cands = tune_candidates(M, N, torch.bfloat16, smoke=False)
+        assert 8 <= len(cands) <= 36
+        for c in cands:
+            assert (c.block_m + 0) <= 128 and c.block_n <= max(64, N)
+            assert c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n) * 2 <= 200 * 1024
+        p = 16 if M <= 16 else 128 if M >= 128 else M
+        assert p in {c.block_m for c in cands}                  # the tile M rounds up to is always tried
+    assert launcher_shape("matmul_reduce_scatter", 1024, 4096, 4, 0) == ("mm_sum", 1024, 4096, 4096)
+    assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 0) == ("gather_rows", 1024, 1024, 4096)
+    assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 1) == ("mm_sum", 1024, 1024, 1024)
+
+
+def test_tuned_table_keeps_checked_gains_only(tmp_path):
+    from bench.bench_fused_kernels import tuned_table
+    from fastpipe.kernels.tuned import parse_table
+
+    cfg = {"block_m": 64, "block_n": 128, "block_k": 64, "group_m": 8, "num_warps": 4, "num_stages": 4}
+    tuned = lambda M, ms, **kw: {"launcher": "mm_sum", "M": M, "N": 4096, "K": 4096, "n": 2, "config": cfg,  # noqa: E731
+                                 "ms": ms, "heuristic_ms": 1.0, "candidates": 20, **kw}
+    rows = [{"dtype": "bfloat16", "tuned": tuned(16, 0.8)}, {"dtype": "bfloat16", "tuned": tuned(128, 0.99)},
+            {"dtype": "bfloat16", "tuned": tuned(1024, 0.5, check="MISMATCH")}, {"dtype": "bfloat16"}]
+    res = tmp_path / "tune.json"
+    res.write_text(json.dumps({"machine": {"device": "NVIDIA H100 80GB HBM3"}, "rows": rows}))
+    table = tuned_table([res])
+    assert [e["M"] for e in table["entries"]] == [16]          # 1% is no gain; a mismatch is never kept
+    assert table["entries"][0]["device"] == "NVIDIA H100 80GB HBM3"
+    parsed = parse_table(table, "t")
+    assert list(parsed) == [("mm_sum", "NVIDIA H100 80GB HBM3", "bfloat16", 4096, 4096, 2)]
+
+
+def test_smoke_tune_then_table(tmp_path):
+    pytest.importorskip("triton")
+    out, table = tmp_path / "tune.json", tmp_path / "table.json"
+    r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--smoke", "--kernel", "matmul_reduce_scatter",
+                        "--check", "--tune", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    for row in rows:
+        t = row["tuned"]
+        assert t["check"] == "ok" and t["candidates"] == 2 and t["launcher"] == "mm_sum" and t["ms"] > 0
+        assert (t["M"], t["N"], t["K"], t["n"]) == (row["M"], 64, 64, 2)
+    r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--write-tuned", str(table), str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and json.loads(table.read_text())["format"] == 1, r.stderr

@@ -162,7 +162,7 @@ def launch_gather_rows(a: Sequence[Tensor], bj: Tensor, out: Tensor, config: Ker
     M, N = out.shape
     if M == 0 or N == 0:
         return out
-    cfg = config or pick_config(M, N, K, bj.dtype, out.device)
+    cfg = config or pick_config(M, N, K, bj.dtype, out.device, launcher="gather_rows", n=len(a))
     saks = tuple(x.stride(1) for x in a)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     with device_guard(out.device):  # Triton launches on the current device, not the tensors'

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from fastpipe.errors import RunError
+from fastpipe.kernels.tuned import lookup
 
 try:  # Triton is optional: the references and the validation work without it.
     import triton
@@ -225,6 +226,10 @@ def _num_sms(device: torch.device) -> int:
     return 132  # an H100 SXM, for planning only
 
 
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if torch.cuda.is_available() else ""   # "": no table entry
+
+
 def _pow2_clamp(x: int, lo: int, hi: int) -> int:
     p = lo
     while p < x and p < hi:
@@ -232,10 +237,14 @@ def _pow2_clamp(x: int, lo: int, hi: int) -> int:
     return p
 
 
-def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str = "cuda") -> KernelConfig:
-    """Block sizes for an [M, K] x [K, N] sum of products (K = the longest participant's K).
+def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str = "cuda", *,
+                launcher: str = "mm_sum", n: int = 1) -> KernelConfig:
+    """Block sizes for an [M, K] x [K, N] sum of products (K = the longest participant's K; n
+    participants; launcher: the kernel, "mm_sum" or "gather_rows").
 
-    The rule (a starting point for Hopper, to be replaced by measured values):
+    On a GPU, a config measured for this GPU, dtype, N, K and n comes first
+    (fastpipe.kernels.tuned: the table ``bench/bench_fused_kernels.py --tune`` and
+    ``--write-tuned`` produce). Otherwise the rule (a starting point for Hopper):
 
     * Interpreter / CPU tensors: tiles of 16 or 32 in every dimension -- the interpreter
       runs every program in numpy, and small tiles keep the irregular-shape tests fast.
@@ -256,6 +265,9 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
         bn = 16 if N <= 16 else 32
         bk = 16 if K <= 16 else 32
         return KernelConfig(bm, bn, bk, group_m=4, num_warps=4, num_stages=1)
+    tuned = lookup(launcher, M, N, K, n, dtype, _device_name(device))
+    if tuned is not None:
+        return tuned
     sms = _num_sms(device)
     if dtype == torch.float32:
         bm = 64 if M <= 64 else 128
@@ -312,7 +324,7 @@ def launch_mm_sum(a: Sequence[Tensor], b: Sequence[Tensor], out: Tensor, *, spli
     if M == 0 or N == 0:
         return out
     kmax = max(int(x.shape[1]) for x in a)
-    cfg = config or pick_config(M, N, kmax, a[0].dtype, out.device)
+    cfg = config or pick_config(M, N, kmax, a[0].dtype, out.device, launcher="mm_sum", n=len(a))
     scm, scn = out_strides if out_strides is not None else out.stride()
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
     with device_guard(out.device):  # Triton launches on the current device, not the tensors'

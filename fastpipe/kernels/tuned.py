@@ -1,0 +1,105 @@
+"""Launch configurations measured per GPU and shape, consulted before the heuristic (pick_config).
+
+A table is JSON written by ``bench/bench_fused_kernels.py --write-tuned`` from a ``--tune`` run::
+
+    {"format": 1, "entries": [{"launcher": "mm_sum", "device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16",
+                               "M": 1024, "N": 4096, "K": 4096, "n": 2,
+                               "config": {"block_m": 128, "block_n": 256, "block_k": 64, "group_m": 8,
+                                          "num_warps": 8, "num_stages": 3},
+                               "ms": 0.21, "heuristic_ms": 0.25}, ...]}
+
+launcher: the kernel launched, ``mm_sum`` (matmul_reduce_scatter; all_gather_matmul with dim 1) or
+``gather_rows`` (all_gather_matmul with dim 0); M, N, K, n: what that launcher sees (rows, columns, the
+longest participant's K, participants). An entry applies to the GPU whose name it records (a config
+tuned on one GPU says nothing of another's), the same dtype, N, K and n, and to every M up to its own:
+the entry with the smallest M >= the call's M wins (above every measured M, the largest).
+
+Where: ``$FASTPIPE_TUNED_CONFIGS`` if set, else ``tuned_configs.json`` beside this file (shipped
+when a GPU session has measured one). No table: the heuristic. A table that cannot be read or
+has a bad entry is reported once (a warning naming the file and the field) and not used.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+LAUNCHERS = ("mm_sum", "gather_rows")
+PACKAGED = Path(__file__).with_name("tuned_configs.json")
+_FIELDS = ("launcher", "device", "dtype", "M", "N", "K", "n", "config")
+_lock = threading.Lock()
+_cache: dict[tuple, tuple] = {}          # (path, mtime_ns, size) -> (by key, error)
+_warned: set[tuple] = set()
+
+
+def table_path() -> Path:
+    env = os.environ.get("FASTPIPE_TUNED_CONFIGS")
+    return Path(env) if env else PACKAGED
+
+
+def parse_table(doc, where: str) -> dict[tuple, list[tuple[int, object]]]:
+    """(launcher, device, dtype, N, K, n) -> [(M, KernelConfig)] sorted by M; ValueError naming the
+    field (its JSON path) on a bad entry."""
+    from fastpipe.kernels.mm_reduce_scatter_kernel import KernelConfig
+
+    if not isinstance(doc, dict) or doc.get("format") != 1 or not isinstance(doc.get("entries"), list):
+        raise ValueError(f"{where}: expected {{\"format\": 1, \"entries\": [...]}}, found {str(doc)[:80]}")
+    out: dict[tuple, list] = {}
+    for i, e in enumerate(doc["entries"]):
+        at = f"{where}: entries[{i}]"
+        if not isinstance(e, dict) or any(f not in e for f in _FIELDS):
+            raise ValueError(f"{at}: expected an object with {', '.join(_FIELDS)}, found {str(e)[:80]}")
+        if e["launcher"] not in LAUNCHERS:
+            raise ValueError(f"{at}.launcher: expected one of {', '.join(LAUNCHERS)}, found {e['launcher']!r}")
+        for f in ("M", "N", "K", "n"):
+            if not isinstance(e[f], int) or isinstance(e[f], bool) or e[f] < 1:
+                raise ValueError(f"{at}.{f}: expected an integer >= 1, found {e[f]!r}")
+        if not isinstance(e["dtype"], str) or not isinstance(getattr(torch, e["dtype"], None), torch.dtype):
+            raise ValueError(f"{at}.dtype: expected a torch dtype name (bfloat16, ...), found {e['dtype']!r}")
+        try:
+            cfg = KernelConfig(**e["config"])
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{at}.config: expected KernelConfig fields, found {e['config']!r} ({err})") from None
+        key = (e["launcher"], e["device"], e["dtype"], e["N"], e["K"], e["n"])
+        out.setdefault(key, []).append((e["M"], cfg))
+    for rows in out.values():
+        rows.sort(key=lambda r: r[0])
+    return out
+
+
+def _table(path: Path) -> dict:
+    try:
+        st = path.stat()
+    except OSError:
+        return {}
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    with _lock:
+        hit = _cache.get(key)
+    if hit is None:
+        try:
+            hit = (parse_table(json.loads(path.read_text()), str(path)), None)
+        except (OSError, ValueError) as e:            # json.JSONDecodeError is a ValueError
+            hit = ({}, " ".join(str(e).split())[:300])
+        with _lock:
+            _cache[key] = hit
+    table, error = hit
+    if error is not None and key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"fastpipe: tuned kernel configs not used: {error}; the heuristic picks the launch "
+                      "configs", RuntimeWarning, stacklevel=4)
+    return table
+
+
+def lookup(launcher: str, M: int, N: int, K: int, n: int, dtype: torch.dtype, device_name: str):
+    """The measured KernelConfig for this call, or None (no table, or no entry for it)."""
+    rows = _table(table_path()).get((launcher, device_name, str(dtype).replace("torch.", ""), N, K, n))
+    if not rows:
+        return None
+    for m, cfg in rows:
+        if m >= M:
+            return cfg
+    return rows[-1][1]
