@@ -54,6 +54,12 @@ class Session:
         self.run_options = opts = run_options or RunOptions()
         self.store = store or default_store()
         self.checked: Checked = validate(pipeline, self.options, self.store)
+        if self.checked.graphs is None:      # payloads not checked at load: decoded once, at first use
+            import dataclasses
+
+            from fastpipe.payload.lazy import LazyGraphs
+
+            self.checked = dataclasses.replace(self.checked, graphs=LazyGraphs(pipeline, self.options))
         self.pipeline = pipeline
         self.slot_devices = resolve_device_map(pipeline, device_map)
         self.processor = choose_processor(opts.processor, self.slot_devices)

@@ -156,6 +156,26 @@ def test_fusion_without_checked_payloads(tmp_path, policy, side_blob):
     _equal_to_unfused(path, unchecked, seeds=(3,))
 
 
+def test_unchecked_payloads_are_decoded_once_for_bind_and_fusion(tmp_path, monkeypatch):
+    """check_payloads=False: binding and the fusion pass share one lazily decoded graph per distinct
+    payload (they decoded each payload separately, and binding once per supertask)."""
+    import fastpipe.payload as payload
+    from fastpipe.options import LoadOptions
+    from fastpipe.validate.sources import payload_text
+
+    path = sp_block(tmp_path)
+    calls = []
+    real = payload.decode_payload
+    monkeypatch.setattr(payload, "decode_payload", lambda text, **kw: calls.append(text) or real(text, **kw))
+    sess = fastpipe.load(path, fuse="always", load_options=LoadOptions(check_payloads=False))
+    fx = [sid for sid, st in sess.pipeline.supertasks.items() if st.kind == "fx"]
+    texts = {payload_text(sess.pipeline, sid, sess.options)[0] for sid in fx}
+    assert len(fx) > len(texts) >= 1                       # replicas share a payload
+    assert sorted(calls) == sorted(texts)                  # each decoded once, by whoever asked first
+    assert all(sess.checked.graphs[sid] is sess.checked.graphs[fx[0]] for sid in fx
+               if payload_text(sess.pipeline, sid, sess.options)[0] == payload_text(sess.pipeline, fx[0], sess.options)[0])
+
+
 def _tensors_of(gm):
     """Every tensor a graph module holds (its buffers, parameters and plain tensor attributes)."""
     out = dict(gm.named_buffers())

@@ -21,7 +21,8 @@ from fastpipe.errors import PayloadError
 from fastpipe.format.model import Pipeline
 from fastpipe.lower.program import Program
 from fastpipe.options import LoadOptions
-from fastpipe.payload import DecodedGraph, bind_external, decode_payload
+from fastpipe.payload import DecodedGraph, bind_external
+from fastpipe.payload.lazy import LazyGraphs
 from fastpipe.runtime.execute import group_fn
 from fastpipe.validate.sources import param_ref, payload_text
 from fastpipe.weights import ParamRef, WeightStore, resolve_param_path
@@ -101,7 +102,7 @@ def bind(program: Program, checked, binder: Binder, local_slots=None) -> Program
     import dataclasses
 
     p = checked.pipeline
-    graphs = checked.graphs or {}
+    graphs = checked.graphs if checked.graphs is not None else LazyGraphs(p, binder.opts)
     devices = binder.slot_devices
     local = set(program.slots if local_slots is None else local_slots)
     steps = {}
@@ -115,9 +116,6 @@ def bind(program: Program, checked, binder: Binder, local_slots=None) -> Program
             fn = graph = None
             if st.kind == "compute":
                 g = graphs.get(st.supertask)
-                if g is None and p.supertasks[st.supertask].kind == "fx":
-                    text, where = payload_text(p, st.supertask, binder.opts)
-                    g = decode_payload(text, where=where)
                 fn, graph = binder.graph_fn(st.supertask, g, dev)
             out.append(dataclasses.replace(st, device=dev, constants=consts, fn=fn, graph=graph))
         steps[slot] = tuple(out)

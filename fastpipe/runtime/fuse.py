@@ -30,9 +30,9 @@ above the threshold (fastpipe.kernels.fused_is_faster); "always": fuse every mat
 share one device (on CPU the Triton kernels need TRITON_INTERPRET=1 - tests use that). Every
 group that could be fused gets a decision with its reason (Session.fusion, `fastpipe show --plan`).
 
-Loading with check_payloads=False leaves checked.graphs empty: analyze then decodes the payloads
-it needs itself, through fastpipe.payload.decode_payload (nothing from the file executes), once
-per distinct payload.
+Loading with check_payloads=False: checked.graphs decodes each payload at its first use, once per
+distinct payload, for binding and this pass alike (fastpipe.payload.lazy; nothing from the file
+executes).
 """
 from __future__ import annotations
 
@@ -105,33 +105,6 @@ def _meta_shape(p, name: str) -> tuple[int, ...]:
     return tuple(p.tensors[name].shape)
 
 
-class _Graphs:
-    """supertask id -> DecodedGraph: checked.graphs where payloads were checked at load, else the
-    payload decoded here on first use (fastpipe.payload.decode_payload: data only, nothing from
-    the file executes), once per distinct payload text."""
-
-    def __init__(self, checked, options):
-        from fastpipe.options import LoadOptions
-
-        self.p, self.known = checked.pipeline, checked.graphs or {}
-        self.options = options or LoadOptions()
-        self._by_sid: dict = {}
-        self._by_text: dict = {}
-
-    def __getitem__(self, sid: str):
-        if sid in self.known:
-            return self.known[sid]
-        if sid not in self._by_sid:
-            from fastpipe.payload import decode_payload
-            from fastpipe.validate.sources import payload_text
-
-            text, where = payload_text(self.p, sid, self.options)
-            if text not in self._by_text:
-                self._by_text[text] = decode_payload(text, where=where)
-            self._by_sid[sid] = self._by_text[text]
-        return self._by_sid[sid]
-
-
 def analyze(checked, slot_devices, policy: str, *, region: bool = False, options=None) -> list[Decision]:
     """A decision for every reduce_scatter / all_gather group.
 
@@ -143,7 +116,9 @@ def analyze(checked, slot_devices, policy: str, *, region: bool = False, options
     from fastpipe.errors import FastpipeError
 
     p = checked.pipeline
-    graphs = _Graphs(checked, options)
+    from fastpipe.payload.lazy import LazyGraphs
+
+    graphs = checked.graphs if checked.graphs is not None else LazyGraphs(p, options)
     flow = checked.flow
     out: list[Decision] = []
     for gname, g in checked.groups.items():
