@@ -109,16 +109,18 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
-def table(rows: list[Row]) -> list[str]:
-    base = next((statistics.median(r.samples) for r in rows if r.variant == BASELINE and r.samples), None)
-    out = ["| variant | median ms | p10 ms | p90 ms | time / unsplit compiled | compile s | outputs |",
+def table(rows: list[Row], base: float | None = None, base_label: str = BASELINE, outputs: str = "outputs") -> list[str]:
+    """The markdown table of one case; ratios are time / `base` (default: the BASELINE row's median)."""
+    if base is None:
+        base = next((statistics.median(r.samples) for r in rows if r.variant == BASELINE and r.samples), None)
+    out = [f"| variant | median ms | p10 ms | p90 ms | time / {base_label} | compile s | {outputs} |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
         comp = "-" if r.compile_s is None else "shared" if r.shared else f"{r.compile_s:.2f}"
         if r.recompile_s is not None:
             comp += f" + {r.recompile_s:.2f} recompiling at the first call"
         if not r.samples:
-            out.append(f"| {r.variant} | FAILED | | | | {comp} | {r.error} |")
+            out.append(f"| {r.variant} | FAILED | | | | {comp} | {r.error or r.check} |")
             continue
         med = statistics.median(r.samples)
         ratio = f"{med / base:.2f}x" if base else "-"

@@ -57,6 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report_region import Row, first_call, pct  # noqa: E402
+from bench.report_region import table as region_table  # noqa: E402
 
 CUDA_VARIANTS = [
     ("fastpipe cuda, graph replay", dict(processor="cuda", compile=True, cuda_graph=True)),
@@ -303,20 +304,7 @@ def verdicts(rows: list[Row], batch: int) -> dict:
 
 def table(rows: list[Row]) -> list[str]:
     base = min((m for v in UNSPLIT_COMPILED if (m := median(rows, v))), default=None)
-    out = ["| variant | median ms | p10 ms | p90 ms | time / best unsplit compiled | compile s | logits |",
-           "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        comp = "-" if r.compile_s is None else f"{r.compile_s:.2f}"
-        if r.recompile_s is not None:
-            comp += f" + {r.recompile_s:.2f} recompiling at the first call"
-        if not r.samples:
-            out.append(f"| {r.variant} | FAILED | | | | {comp} | {r.error or r.check} |")
-            continue
-        med = statistics.median(r.samples)
-        ratio = f"{med / base:.2f}x" if base else "-"
-        out.append(f"| {r.variant} | {med:.3f} | {pct(r.samples, 0.1):.3f} | {pct(r.samples, 0.9):.3f} | {ratio} | "
-                   f"{comp} | {r.check or '-'} |")
-    return out
+    return region_table(rows, base, "best unsplit compiled", "logits")
 
 
 def verdict_lines(v: dict) -> list[str]:

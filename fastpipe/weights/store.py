@@ -113,41 +113,37 @@ class WeightStore:
         hold one copy of a weight per device, and their graphs see the same constant objects)."""
         key, opened, placements, dtype = self._checked(ref, shape, dtype, where=where, trust_export=trust_export)
         skey = (key, ref.name, placements, dtype)
+        cpu = lambda: self._read(opened, ref, placements, dtype, where)  # noqa: E731
         if device is None or torch.device(device).type == "cpu":
-            return self._load_cpu(skey, opened, ref, placements, dtype, where)
-        dkey = (skey, str(device))
-        with self._lock:
-            d = self._on_device.get(dkey)
-            if d is not None:                  # nothing read: the CPU slice may be long gone
-                self._counts["device_hits"] += 1
-                return d
-        d = self._load_cpu(skey, opened, ref, placements, dtype, where).to(device)
-        with self._lock:
-            existing = self._on_device.get(dkey)
-            if existing is not None:  # another thread copied it meanwhile: keep one object
-                self._counts["device_hits"] += 1
-                return existing
-            self._on_device[dkey] = d
-            self._counts["device_copies"] += 1
-        return d
+            return self._shared(self._slices, skey, cpu, "slice_hits", "slice_misses")
+        # a hit on the device reads nothing (the CPU slice may be long gone)
+        return self._shared(self._on_device, (skey, str(device)),
+                            lambda: self._shared(self._slices, skey, cpu, "slice_hits", "slice_misses").to(device),
+                            "device_hits", "device_copies")
 
-    def _load_cpu(self, skey, opened, ref: ParamRef, placements, dtype, where: str) -> torch.Tensor:
+    def _shared(self, index, key, make, hit: str, miss: str) -> torch.Tensor:
+        """index[key], made by make() outside the lock if absent; one object even when two threads race."""
         with self._lock:
-            t = self._slices.get(skey)
+            t = index.get(key)
             if t is not None:
-                self._counts["slice_hits"] += 1
+                self._counts[hit] += 1
                 return t
+        t = make()
+        with self._lock:
+            existing = index.get(key)
+            if existing is not None:  # another thread made it meanwhile: keep one object
+                self._counts[hit] += 1
+                return existing
+            index[key] = t
+            self._counts[miss] += 1
+        return t
+
+    def _read(self, opened, ref: ParamRef, placements, dtype, where: str) -> torch.Tensor:
         t = opened.read(ref.name, placements, where=where).detach().contiguous()
         if t.dtype != dtype or tuple(t.shape) != tuple(e - s for s, e in placements):
             raise ParamError(f"{where}.path: expected the slice read from {opened.label} to have the checked "
                              f"dtype and shape, found {t.dtype} {list(t.shape)} (file changed while reading?)")
         with self._lock:
-            existing = self._slices.get(skey)
-            if existing is not None:  # another thread read it meanwhile: keep one object
-                self._counts["slice_hits"] += 1
-                return existing
-            self._slices[skey] = t
-            self._counts["slice_misses"] += 1
             self._counts["bytes_read"] += t.numel() * t.element_size()
         return t
 
