@@ -56,7 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report_region import Row, first_call, pct  # noqa: E402
+from bench.report_region import Row, first_call, measure, pct  # noqa: E402   (every timed fn here syncs)
 from bench.report_region import table as region_table  # noqa: E402
 
 CUDA_VARIANTS = [
@@ -256,24 +256,6 @@ def unsplit_rows(args, model, ids, past, check, timed, dev) -> list[Row]:
             traceback.print_exc()
     rows[0].check = check(rows[0].fn())
     return rows
-
-
-def measure(rows: list[Row], repeat: int, warmup: int, sample_ms: float) -> None:
-    """Interleaved rounds (round r times every variant once); a sample is the mean of back-to-back
-    calls lasting about sample_ms (each call ends with a device synchronize)."""
-    live = [r for r in rows if r.fn is not None and not r.error]
-    for r in live:
-        for _ in range(warmup):
-            r.fn()
-        t = time.perf_counter()
-        r.fn()
-        r.inner = max(1, min(1000, int(sample_ms / max((time.perf_counter() - t) * 1e3, 1e-3))))
-    for _ in range(repeat):
-        for r in live:
-            t = time.perf_counter()
-            for _ in range(r.inner):
-                r.fn()
-            r.samples.append((time.perf_counter() - t) * 1e3 / r.inner)
 
 
 def median(rows: list[Row], variant: str) -> float | None:
