@@ -4,9 +4,10 @@
     program = bind(lower(checked), checked, binder, local_slots={"0"})   # dist: this rank's slots
 
 Each step gets its slot's device and its constants (read once per process by the weight
-store, and copied to a device once per store: sessions over one store share the copy); each compute step its callable (the fx graph
-on the slot's device, compiled when asked; a registered handler for other kinds); each comm
-group with a member to bind its plain-torch callable (fastpipe.runtime.execute.group_fn).
+store, and copied to a device once per store: sessions over one store share the copy); each
+compute step its callable (the fx graph on the slot's device, compiled when asked; a registered
+handler for other kinds); each comm group with a member to bind its plain-torch callable
+(fastpipe.runtime.execute.group_fn).
 """
 from __future__ import annotations
 
