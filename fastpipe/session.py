@@ -57,7 +57,7 @@ class Session:
         if self.checked.graphs is None:      # payloads not checked at load: decoded once, at first use
             import dataclasses
 
-            from fastpipe.payload.lazy import LazyGraphs
+            from fastpipe.validate.lazy_graphs import LazyGraphs
 
             self.checked = dataclasses.replace(self.checked, graphs=LazyGraphs(pipeline, self.options))
         self.pipeline = pipeline

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from fastpipe.errors import RunError
+from fastpipe.kernels.launch_config import KernelConfig
 from fastpipe.kernels.tuned import lookup
 
 try:  # Triton is optional: the references and the validation work without it.
@@ -189,31 +189,6 @@ else:  # pragma: no cover
 # ---------------------------------------------------------------------------
 # 3. launcher
 # ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters of one GEMM-shaped kernel.
-
-    block_m/block_n/block_k: the output tile and the K step (powers of two, >= 16: tl.dot's minimum).
-    group_m: row tiles per group in the grouped (L2-friendly) program order.
-    num_warps/num_stages: Triton's; stages is the depth of the software pipeline of loads.
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"KernelConfig.{name}: expected a power of two >= 16, found {v}")
-        if self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1:
-            raise ValueError(f"KernelConfig: expected group_m, num_warps, num_stages >= 1, found {self}")
-
 
 def interpreting() -> bool:
     """True when the kernels were defined under TRITON_INTERPRET=1 (they then run on CPU tensors)."""

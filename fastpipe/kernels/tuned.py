@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from fastpipe.kernels.launch_config import KernelConfig
+
 LAUNCHERS = ("mm_sum", "gather_rows")
 PACKAGED = Path(__file__).with_name("tuned_configs.json")
 _FIELDS = ("launcher", "device", "dtype", "M", "N", "K", "n", "config")
@@ -44,8 +46,6 @@ def table_path() -> Path:
 def parse_table(doc, where: str) -> dict[tuple, list[tuple[int, object]]]:
     """(launcher, device, dtype, N, K, n) -> [(M, KernelConfig)] sorted by M; ValueError naming the
     field (its JSON path) on a bad entry."""
-    from fastpipe.kernels.mm_reduce_scatter_kernel import KernelConfig
-
     if not isinstance(doc, dict) or doc.get("format") != 1 or not isinstance(doc.get("entries"), list):
         raise ValueError(f"{where}: expected {{\"format\": 1, \"entries\": [...]}}, found {str(doc)[:80]}")
     out: dict[tuple, list] = {}

@@ -23,7 +23,7 @@ from fastpipe.format.model import Pipeline
 from fastpipe.lower.program import Program
 from fastpipe.options import LoadOptions
 from fastpipe.payload import DecodedGraph, bind_external
-from fastpipe.payload.lazy import LazyGraphs
+from fastpipe.validate.lazy_graphs import LazyGraphs
 from fastpipe.runtime.execute import group_fn
 from fastpipe.validate.sources import param_ref, payload_text
 from fastpipe.weights import ParamRef, WeightStore, resolve_param_path

@@ -31,7 +31,7 @@ share one device (on CPU the Triton kernels need TRITON_INTERPRET=1 - tests use 
 group that could be fused gets a decision with its reason (Session.fusion, `fastpipe show --plan`).
 
 Loading with check_payloads=False: checked.graphs decodes each payload at its first use, once per
-distinct payload, for binding and this pass alike (fastpipe.payload.lazy; nothing from the file
+distinct payload, for binding and this pass alike (fastpipe.validate.lazy_graphs; nothing from the file
 executes).
 """
 from __future__ import annotations
@@ -116,7 +116,7 @@ def analyze(checked, slot_devices, policy: str, *, region: bool = False, options
     from fastpipe.errors import FastpipeError
 
     p = checked.pipeline
-    from fastpipe.payload.lazy import LazyGraphs
+    from fastpipe.validate.lazy_graphs import LazyGraphs
 
     graphs = checked.graphs if checked.graphs is not None else LazyGraphs(p, options)
     flow = checked.flow
