@@ -54,12 +54,6 @@ class Session:
         self.run_options = opts = run_options or RunOptions()
         self.store = store or default_store()
         self.checked: Checked = validate(pipeline, self.options, self.store)
-        if self.checked.graphs is None:      # payloads not checked at load: decoded once, at first use
-            import dataclasses
-
-            from fastpipe.validate.lazy_graphs import LazyGraphs
-
-            self.checked = dataclasses.replace(self.checked, graphs=LazyGraphs(pipeline, self.options))
         self.pipeline = pipeline
         self.slot_devices = resolve_device_map(pipeline, device_map)
         self.processor = choose_processor(opts.processor, self.slot_devices)
@@ -82,7 +76,7 @@ class Session:
         self._binder = Binder(pipeline, self.options, self.store, self.slot_devices,
                               compile=opts.compile and not region, compile_policy=opts.compile_policy)
         program = bind(lower(self.checked), self.checked, self._binder, local)
-        self.fusion = fusion.analyze(self.checked, self.slot_devices, fuse, region=region, options=self.options)
+        self.fusion = fusion.analyze(self.checked, self.slot_devices, fuse, region=region)
         program = fusion.apply(program, self.fusion, self.checked, self._binder)
         if region:
             program = with_regions(program, {s: str(d) for s, d in self.slot_devices.items()})

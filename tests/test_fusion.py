@@ -98,6 +98,13 @@ def _equal_to_unfused(path, fused, seeds=(1, 2), **load):
             torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-5)
 
 
+def _forced_decision(tmp_path, group: str, **block):
+    """(path, session loaded with fuse="always", the fusion decision for `group`) of an sp_block."""
+    path = sp_block(tmp_path, **block)
+    sess = fastpipe.load(path, fuse="always")
+    return path, sess, {d.group: d for d in sess.fusion}[group]
+
+
 @pytest.mark.parametrize("view, dim, fused", [
     (None, 0, True),                 # [S, D]: row chunks
     ((8, 2, 8), 1, True),            # [S, heads, hd] split along heads: whole column blocks
@@ -106,9 +113,7 @@ def _equal_to_unfused(path, fused, seeds=(1, 2), **load):
     ((2, 4, 16), 1, False),          # split inside the rows, with a leading dim > 1
 ])
 def test_reduce_scatter_view_is_fused_only_where_it_maps_onto_the_matmul(tmp_path, view, dim, fused):
-    path = sp_block(tmp_path, rs_view=view, rs_dim=dim)
-    sess = fastpipe.load(path, fuse="always")
-    d = {d.group: d for d in sess.fusion}["rs0"]
+    path, sess, d = _forced_decision(tmp_path, "rs0", rs_view=view, rs_dim=dim)
     assert d.fused is fused, d.reason
     if not fused:
         assert d.reason.startswith(f"the scatter dim {dim} of {list(view)} is neither the matmul's rows nor its columns")
@@ -123,9 +128,7 @@ def test_reduce_scatter_view_is_fused_only_where_it_maps_onto_the_matmul(tmp_pat
     ((2, 4, 16), 1, False),          # gathered inside the rows, with a leading dim > 1
 ])
 def test_all_gather_view_is_fused_only_where_it_maps_onto_the_matmul(tmp_path, view, dim, fused):
-    path = sp_block(tmp_path, ag_view=view, ag_dim=dim)
-    sess = fastpipe.load(path, fuse="always")
-    d = {d.group: d for d in sess.fusion}["ag0"]
+    path, sess, d = _forced_decision(tmp_path, "ag0", ag_view=view, ag_dim=dim)
     assert d.fused is fused, d.reason
     if not fused:
         assert d.reason.startswith(f"the gather dim {dim} of {list(view)} is neither the matmul's rows nor its K")

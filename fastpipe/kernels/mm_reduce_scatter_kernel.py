@@ -35,6 +35,7 @@ kernel on CPU tensors.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -201,7 +202,9 @@ def _num_sms(device: torch.device) -> int:
     return 132  # an H100 SXM, for planning only
 
 
+@functools.lru_cache(maxsize=None)
 def _device_name(device: torch.device) -> str:
+    """The GPU's name (the tuned table's key), once per device: pick_config runs at every launch."""
     return torch.cuda.get_device_name(device) if torch.cuda.is_available() else ""   # "": no table entry
 
 

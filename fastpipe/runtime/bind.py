@@ -23,7 +23,6 @@ from fastpipe.format.model import Pipeline
 from fastpipe.lower.program import Program
 from fastpipe.options import LoadOptions
 from fastpipe.payload import DecodedGraph, bind_external
-from fastpipe.validate.lazy_graphs import LazyGraphs
 from fastpipe.runtime.execute import group_fn
 from fastpipe.validate.sources import param_ref, payload_text
 from fastpipe.weights import ParamRef, WeightStore, resolve_param_path
@@ -102,8 +101,7 @@ def bind(program: Program, checked, binder: Binder, local_slots=None) -> Program
     groups with a member there, when given)."""
     import dataclasses
 
-    p = checked.pipeline
-    graphs = checked.graphs if checked.graphs is not None else LazyGraphs(p, binder.opts)
+    graphs = checked.graphs
     devices = binder.slot_devices
     local = set(program.slots if local_slots is None else local_slots)
     steps = {}

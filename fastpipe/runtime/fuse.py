@@ -31,8 +31,8 @@ share one device (on CPU the Triton kernels need TRITON_INTERPRET=1 - tests use 
 group that could be fused gets a decision with its reason (Session.fusion, `fastpipe show --plan`).
 
 Loading with check_payloads=False: checked.graphs decodes each payload at its first use, once per
-distinct payload, for binding and this pass alike (fastpipe.validate.lazy_graphs; nothing from the file
-executes).
+distinct payload, for binding and this pass alike (fastpipe.validate.lazy_graphs; nothing from the
+file executes).
 """
 from __future__ import annotations
 
@@ -105,20 +105,17 @@ def _meta_shape(p, name: str) -> tuple[int, ...]:
     return tuple(p.tensors[name].shape)
 
 
-def analyze(checked, slot_devices, policy: str, *, region: bool = False, options=None) -> list[Decision]:
+def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list[Decision]:
     """A decision for every reduce_scatter / all_gather group.
 
-    The graphs come from checked.graphs; where payloads were not checked at load (LoadOptions
-    check_payloads=False) the ones a candidate needs are decoded here, `options` (the session's
-    LoadOptions; default LoadOptions()) giving the path rules for payloads in side files.
+    The graphs come from checked.graphs (decoded at their first use where payloads were not
+    checked at load: LoadOptions check_payloads=False).
     `region`: the region processor runs the Program (policy "auto" then leaves the group to the
     compiler, which sees the matmul and the comm as one graph)."""
     from fastpipe.errors import FastpipeError
 
     p = checked.pipeline
-    from fastpipe.validate.lazy_graphs import LazyGraphs
-
-    graphs = checked.graphs if checked.graphs is not None else LazyGraphs(p, options)
+    graphs = checked.graphs
     flow = checked.flow
     out: list[Decision] = []
     for gname, g in checked.groups.items():

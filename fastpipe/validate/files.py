@@ -12,6 +12,7 @@ from pathlib import Path
 from fastpipe import dtypes
 from fastpipe.format.model import Pipeline
 from fastpipe.options import LoadOptions
+from fastpipe.validate.lazy_graphs import LazyGraphs
 from fastpipe.validate.payloads import decode_all
 from fastpipe.validate.rules import Checked, validate_structure
 from fastpipe.validate.sources import param_ref, payload_text
@@ -46,12 +47,14 @@ def check_payload_constants(p: Pipeline, graphs: dict, opts: LoadOptions, store)
 
 
 def validate(p: Pipeline, opts: LoadOptions | None = None, store=None) -> Checked:
-    """validate_structure(p), then payloads (if opts.check_payloads) and param-file headers."""
+    """validate_structure(p), then payloads (if opts.check_payloads) and param-file headers. The
+    result's graphs: every payload decoded and checked, or (check_payloads=False) each decoded at
+    its first use (LazyGraphs), for binding and the passes alike."""
     opts = opts or LoadOptions()
     checked = validate_structure(p)
-    graphs = decode_all(p, opts) if opts.check_payloads else None
+    graphs = decode_all(p, opts) if opts.check_payloads else LazyGraphs(p, opts)
     check_params(p, opts, store or default_store())
-    if graphs:
+    if opts.check_payloads:
         check_payload_constants(p, graphs, opts, store or default_store())
     return Checked(checked.pipeline, checked.flow, checked.groups, checked.order, graphs)
 

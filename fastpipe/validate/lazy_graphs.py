@@ -4,7 +4,7 @@
     g = graphs.get(sid)                        # None for a non-fx supertask
 
 One decode per distinct payload text (tensor-parallel replicas share a blob), shared by everything
-that asks: the Session puts one in `checked.graphs`, so the fusion pass and binding read the same
+that asks: validate() puts one in `checked.graphs`, so the fusion pass and binding read the same
 decoded graphs. Decoding is data only (fastpipe.payload.decode_payload): nothing from the file runs.
 """
 from __future__ import annotations
@@ -40,11 +40,3 @@ class LazyGraphs:
                 self._by_text[text] = decode_payload(text, where=where)
             self._by_sid[sid] = self._by_text[text]
             return self._by_sid[sid]
-
-    def __contains__(self, sid: str) -> bool:
-        st = self.p.supertasks.get(sid)
-        return st is not None and st.kind == "fx"
-
-    def decoded(self) -> int:
-        """How many distinct payloads were decoded so far."""
-        return len(self._by_text)

@@ -28,7 +28,7 @@ class Checked:
     flow: Dataflow
     groups: dict[str, CommGroup]
     order: list[str]           # merged nodes (supertasks and groups) in a dependency order
-    graphs: dict | None = None  # supertask id -> DecodedGraph, when payloads were checked
+    graphs: object = None  # supertask id -> DecodedGraph (validate(): a dict, or LazyGraphs unchecked)
 
 
 def validate_structure(p: Pipeline) -> Checked:
