@@ -261,7 +261,9 @@ def launcher_shape(kernel: str, M: int, NK: int, n: int, dim: int) -> tuple[str,
 def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool) -> list[KernelConfig]:
     """The configs --tune times: block_m around M's power of two (16..128), block_n 64/128/256 (not
     past N), block_k 64/128, (4 warps, 4 stages) or (8 warps, 3 stages); at most ~200 KiB of shared
-    memory (an H100 has 227 KiB a block). --smoke: two interpreter-sized ones."""
+    memory (an H100 has 227 KiB a block) and at most 128 fp32 accumulators a thread (128x256 on 4
+    warps needs 256 and spills kilobytes of registers on sm_90: scripts/compile_kernels.py
+    --tune-candidates). --smoke: two interpreter-sized ones."""
     if smoke:
         return [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1),
                 KernelConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1)]
@@ -277,7 +279,7 @@ def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool) -> list[Ker
                 continue
             for bk in (64, 128):
                 for warps, stages in ((4, 4), (8, 3)):
-                    if stages * (bm * bk + bk * bn) * elt > 200 * 1024:
+                    if stages * (bm * bk + bk * bn) * elt > 200 * 1024 or bm * bn > 128 * 32 * warps:
                         continue
                     out.append(KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages))
     return out

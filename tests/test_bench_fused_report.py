@@ -56,6 +56,7 @@ def test_tune_candidates_fit_and_follow_m():
         for c in cands:
             assert (c.block_m + 0) <= 128 and c.block_n <= max(64, N)
             assert c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n) * 2 <= 200 * 1024
+            assert c.block_m * c.block_n <= 128 * 32 * c.num_warps    # <= 128 accumulators a thread
         p = 16 if M <= 16 else 128 if M >= 128 else M
         assert p in {c.block_m for c in cands}                  # the tile M rounds up to is always tried
     assert launcher_shape("matmul_reduce_scatter", 1024, 4096, 4, 0) == ("mm_sum", 1024, 4096, 4096)

@@ -1,0 +1,330 @@
+"""Compile fastpipe's Triton kernels for a GPU (Hopper by default) on a machine that has none.
+
+    python scripts/compile_kernels.py                     # issue 16's grid, bf16: the configs pick_config picks
+    python scripts/compile_kernels.py --tune-candidates   # and every config bench_fused_kernels --tune times
+    python scripts/compile_kernels.py --quick --json compiled.json   # the few distinct configs (CI)
+    python scripts/compile_kernels.py --arch 80 --sms 108 --device-name "NVIDIA A100-SXM4-80GB"
+    python scripts/compile_kernels.py --quick --config 128,256,64,8,3   # does this config fit? (bm,bn,bk,warps,stages)
+
+The interpreter (TRITON_INTERPRET=1) runs the kernels' arithmetic on the CPU, but never compiles
+them: a config that cannot compile, or that needs more shared memory than the GPU gives one block
+(it fails at launch there, with OutOfResources), would first show on the GPU machine, in minutes
+of device time. Triton's wheel ships ptxas, so the whole compile (TTIR -> TTGIR -> LLVM -> PTX ->
+cubin) runs here for a target named by hand. This script calls the public entry points
+(matmul_reduce_scatter, all_gather_matmul) on meta tensors of the benchmark's layouts (b[i] =
+w_i.t()), with Triton's driver replaced by one that names the target and launches nothing, and
+pick_config answering as on that GPU (its SM count and name: the tuned table applies too). Each
+compiled kernel is reported with its shared memory, registers and spills (ptxas -v), the MMA
+instruction it uses (wgmma on Hopper; mma.sync is the pre-Hopper one) and how its loads are
+pipelined (cp.async, or TMA). It exits 1 when a config fails to compile, needs more shared
+memory than the target has, or spills registers.
+
+Nothing runs on a GPU: speed is for bench/bench_fused_kernels.py on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fastpipe.kernels.launch_config import KernelConfig  # noqa: E402
+
+mrs = agm = None  # the kernel modules, imported by main() once TRITON_INTERPRET is out of the way
+
+# dynamic shared memory one block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin), by compute capability
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+DEFAULT_NAME = {80: "NVIDIA A100-SXM4-80GB", 90: "NVIDIA H100 80GB HBM3"}
+
+
+@dataclass
+class Compiled:
+    """One compiled kernel: what was called, the config, and what ptxas made of it."""
+
+    call: str          # e.g. "matmul_reduce_scatter dim=0 M=1024 NK=4096 n=2 bf16"
+    kernel: str        # _mm_sum_kernel / _gather_rows_kernel
+    config: str        # "128x256x64 w8 s3"
+    shared_bytes: int = 0
+    registers: int = 0
+    spill_bytes: int = 0
+    mma: str = ""      # wgmma / mma.sync / none
+    loads: str = ""    # tma / cp.async / ld.global
+    compile_s: float = 0.0
+    error: str = ""
+    problems: tuple = ()
+
+
+def config_text(cfg: KernelConfig) -> str:
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+class _TargetDriver:
+    """Stands in for Triton's CUDA driver: names the target, has device 0 and stream 0, launches nothing."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self):
+        return torch.device("meta")
+
+
+@contextlib.contextmanager
+def compiling_for(arch: int, sms: int, device_name: str, record: list):
+    """Within: the kernels compile for ``arch`` and never launch; each compile is appended to ``record``
+    as (kernel name, config, CompiledKernel); pick_config answers as on a GPU with ``sms`` SMs named
+    ``device_name``. Everything is restored on exit."""
+    from triton.runtime.driver import driver
+
+    picked: list = []
+    saved = []
+
+    def patch(obj, name, value):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    real_pick = mrs.pick_config
+
+    def pick_as_on_gpu(M, N, K, dtype, device="cuda", **kw):
+        cfg = real_pick(M, N, K, dtype, torch.device("cuda"), **kw)
+        picked.append(cfg)
+        return cfg
+
+    def compile_only(kernel):
+        run = kernel.run
+
+        def run_warmup(*args, grid, warmup, **kwargs):
+            compiled = run(*args, grid=grid, warmup=True, **kwargs)
+            cfg = KernelConfig(kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["GROUP_M"],
+                               kwargs.get("num_warps", 4), kwargs.get("num_stages", 3))
+            record.append((kernel.fn.__name__, cfg, compiled))
+            return compiled
+        return run_warmup
+
+    active = driver._active            # None until something asks: no CUDA driver needed to restore it
+    driver.set_active(_TargetDriver(arch))
+    try:
+        patch(mrs, "_num_sms", lambda device: sms)
+        patch(mrs, "_device_name", lambda device: device_name)
+        for mod in (mrs, agm):
+            patch(mod, "pick_config", pick_as_on_gpu)
+            patch(mod, "_require_launchable", lambda what, device: None)
+        patch(mrs._mm_sum_kernel, "run", compile_only(mrs._mm_sum_kernel))
+        patch(agm._gather_rows_kernel, "run", compile_only(agm._gather_rows_kernel))
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+        driver._active = active
+
+
+def operands(kernel: str, M: int, NK: int, n: int, dim: int, dtype: torch.dtype):
+    """Meta tensors in bench_fused_kernels' layouts (make_mrs / make_agm): b[i] = w_i.t()."""
+    meta = dict(device="meta", dtype=dtype)
+    if kernel == "matmul_reduce_scatter":
+        a = [torch.empty(M, NK, **meta) for _ in range(n)]                  # [M, K] each
+        w = [torch.empty(NK, NK, **meta) for _ in range(n)]                 # [N, K] each
+    else:
+        shape = (M // n, NK) if dim == 0 else (M, NK // n)
+        a = [torch.empty(*shape, **meta) for _ in range(n)]                 # shards of [M, K]
+        w = [torch.empty(NK // n, NK, **meta) for _ in range(n)]            # [N/n, K] each
+    return a, [x.t() for x in w]
+
+
+def call(kernel: str, a, b, dim: int, config: KernelConfig | None) -> None:
+    if kernel == "matmul_reduce_scatter":
+        mrs.matmul_reduce_scatter(a, b, dim=dim, config=config)
+    else:
+        agm.all_gather_matmul(a, b, dim=dim, config=config)
+
+
+def ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill bytes stored) from ``ptxas -v`` of the kernel's PTX, with Triton's own ptxas."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        done = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", str(src), "-o", str(Path(d) / "k.o")],
+                              capture_output=True, text=True, check=True)
+    log = done.stdout + done.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1
+
+
+def describe(name: str, cfg: KernelConfig, compiled, arch: int, what: str, seconds: float) -> Compiled:
+    ptx = compiled.asm["ptx"]
+    regs, spill = ptxas_report(ptx, arch)
+    mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
+    loads = "tma" if "cp.async.bulk.tensor" in ptx else "cp.async" if "cp.async" in ptx else "ld.global"
+    return Compiled(what, name, config_text(cfg), int(compiled.metadata.shared), regs, spill, mma, loads,
+                    round(seconds, 2))
+
+
+def check(row: Compiled, arch: int) -> Compiled:
+    problems = []
+    limit = SHARED_LIMIT.get(arch)
+    if row.error:
+        problems.append(f"does not compile: {row.error}")
+    else:
+        if limit is not None and row.shared_bytes > limit:
+            problems.append(f"needs {row.shared_bytes} B of shared memory, sm_{arch} gives a block {limit}")
+        if row.spill_bytes > 0:
+            problems.append(f"spills {row.spill_bytes} B of registers")
+    row.problems = tuple(problems)
+    return row
+
+
+def cases(args) -> list[tuple[str, int, int, int, int, torch.dtype]]:
+    """(kernel, M, NK, n, dim, dtype) of issue 16's grid (bench_fused_kernels' default), dims 0 and 1."""
+    out = []
+    kernels = ("matmul_reduce_scatter", "all_gather_matmul") if args.kernel == "both" else (args.kernel,)
+    for kernel in kernels:
+        for dt in args.dtypes:
+            for M in args.ms:
+                for NK in args.nks:
+                    for n in args.ns:
+                        for dim in (0, 1):
+                            if (M if dim == 0 else NK) % n or NK % n:
+                                continue
+                            out.append((kernel, M, NK, n, dim, DTYPES[dt]))
+    return out
+
+
+def tune_configs(kernel: str, M: int, NK: int, n: int, dim: int, dtype: torch.dtype) -> list[KernelConfig]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from bench_fused_kernels import launcher_shape, tune_candidates
+    _, lm, ln, _ = launcher_shape(kernel, M, NK, n, dim)
+    return tune_candidates(lm, ln, dtype, smoke=False)
+
+
+def compile_all(args) -> list[Compiled]:
+    rows: list[Compiled] = []
+    seen: set = set()
+    for kernel, M, NK, n, dim, dtype in cases(args):
+        a, b = operands(kernel, M, NK, n, dim, dtype)
+        what = f"{kernel} dim={dim} M={M} NK={NK} n={n} {str(dtype).replace('torch.', '')}"
+        configs = [args.config] + (tune_configs(kernel, M, NK, n, dim, dtype) if args.tune_candidates else [])
+        for cfg in configs:
+            record: list = []
+            t0 = time.perf_counter()
+            try:
+                with compiling_for(args.arch, args.sms, args.device_name, record):
+                    call(kernel, a, b, dim, cfg)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is a row, reported
+                rows.append(check(Compiled(what, kernel, config_text(cfg) if cfg else "picked",
+                                           error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"), args.arch))
+                continue
+            for name, used, compiled in record:
+                key = (name, compiled.metadata.hash)
+                if key in seen:
+                    continue
+                seen.add(key)
+                rows.append(check(describe(name, used, compiled, args.arch, what, time.perf_counter() - t0),
+                                  args.arch))
+    return rows
+
+
+def table(rows: list[Compiled]) -> str:
+    head = ("first call", "kernel", "config", "smem KiB", "regs", "spill B", "mma", "loads", "status")
+    body = [(r.call, r.kernel, r.config, f"{r.shared_bytes / 1024:.0f}", str(r.registers), str(r.spill_bytes),
+             r.mma, r.loads, "; ".join(r.problems) or "ok") for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)])
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: Hopper, 80: Ampere)")
+    p.add_argument("--sms", type=int, default=132, help="the GPU's SM count, as pick_config would read it")
+    p.add_argument("--device-name", default=None, help="the GPU's name, the tuned table's key")
+    p.add_argument("--dtypes", default="bf16", help="comma list of bf16, f16, f32")
+    p.add_argument("--ms", default="16,128,1024,8192")
+    p.add_argument("--nk", dest="nks", default="4096,8192")
+    p.add_argument("--ns", default="2,4")
+    p.add_argument("--kernel", choices=("matmul_reduce_scatter", "all_gather_matmul", "both"), default="both")
+    p.add_argument("--tune-candidates", action="store_true", help="also every config --tune would time")
+    p.add_argument("--quick", action="store_true", help="M 16 and 1024, N = K 4096, n 2 (one config per "
+                   "kernel, size class and dim: what CI compiles)")
+    p.add_argument("--config", help="compile this config instead of pick_config's: block_m,block_n,block_k,"
+                   "num_warps,num_stages")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args(argv)
+    if args.config:
+        try:
+            bm, bn, bk, warps, stages = (int(x) for x in args.config.split(","))
+            args.config = KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages)
+        except ValueError as e:
+            p.error(f"--config: expected block_m,block_n,block_k,num_warps,num_stages (powers of two >= 16 for "
+                    f"the blocks), found {args.config!r} ({e})")
+    if args.quick:
+        args.ms, args.nks, args.ns = "16,1024", "4096", "2"
+    args.ms = [int(x) for x in args.ms.split(",")]
+    args.nks = [int(x) for x in args.nks.split(",")]
+    args.ns = [int(x) for x in args.ns.split(",")]
+    args.dtypes = [x.strip() for x in args.dtypes.split(",")]
+    for dt in args.dtypes:
+        if dt not in DTYPES:
+            p.error(f"--dtypes: expected some of {sorted(DTYPES)}, found {dt!r}")
+    args.device_name = args.device_name or DEFAULT_NAME.get(args.arch, "")
+    return args
+
+
+def main(argv=None) -> int:
+    global mrs, agm
+    args = parse(argv)
+    if "fastpipe.kernels.mm_reduce_scatter_kernel" not in sys.modules:
+        os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter's
+    from fastpipe.kernels import all_gather_mm_kernel as agm
+    from fastpipe.kernels import mm_reduce_scatter_kernel as mrs
+    if mrs.interpreting():
+        print("compile_kernels: the kernels were imported under TRITON_INTERPRET=1; run this in a fresh process",
+              file=sys.stderr)
+        return 2
+    if mrs._mm_sum_kernel is None:
+        print("compile_kernels: needs triton, which is not installed", file=sys.stderr)
+        return 2
+    import triton
+    t0 = time.perf_counter()
+    rows = compile_all(args)
+    print(f"# fastpipe Triton kernels compiled for sm_{args.arch} ({args.device_name or 'no name'}, {args.sms} SMs), "
+          f"triton {triton.__version__}, torch {torch.__version__}: {len(rows)} kernels in "
+          f"{time.perf_counter() - t0:.0f} s")
+    print(table(rows))
+    bad = [r for r in rows if r.problems]
+    if args.json:
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"arch": args.arch, "device_name": args.device_name, "sms": args.sms,
+                                   "triton": triton.__version__, "torch": torch.__version__,
+                                   "rows": [asdict(r) for r in rows]}, indent=1))
+        tmp.replace(args.json)
+    if bad:
+        print(f"{len(bad)} of {len(rows)} kernels have problems (status column)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
