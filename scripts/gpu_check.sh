@@ -65,7 +65,7 @@ print(f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else '
 EOF
 } > "$OUT/machine.txt" 2>&1
 
-if ! pip install -q -e . --no-deps --no-build-isolation > "$OUT/install.log" 2>&1; then
+if ! python3 -m pip install -q -e . --no-deps --no-build-isolation > "$OUT/install.log" 2>&1; then
   echo "install failed (see install.log)" | tee -a "$summary"
   exit 1
 fi
