@@ -268,6 +268,8 @@ def parse(argv=None):
     p.add_argument("--tune-candidates", action="store_true", help="also every config --tune would time")
     p.add_argument("--quick", action="store_true", help="M 16 and 1024, N = K 4096, n 2 (one config per "
                    "kernel, size class and dim: what CI compiles)")
+    p.add_argument("--tf32", action="store_true", help="fp32 as with torch.backends.cuda.matmul.allow_tf32 "
+                   "(tl.dot in tf32 on the tensor cores; default: exact fp32 on FMAs, as torch's default)")
     p.add_argument("--config", help="compile this config instead of pick_config's: block_m,block_n,block_k,"
                    "num_warps,num_stages")
     p.add_argument("--json", help="write the rows here")
@@ -295,6 +297,8 @@ def parse(argv=None):
 def main(argv=None) -> int:
     global mrs, agm
     args = parse(argv)
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True   # read by the launchers (_input_precision)
     if "fastpipe.kernels.mm_reduce_scatter_kernel" not in sys.modules:
         os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter's
     from fastpipe.kernels import all_gather_mm_kernel as agm

@@ -89,3 +89,10 @@ def test_importing_the_script_leaves_the_environment_alone():
             "assert 'fastpipe.kernels.mm_reduce_scatter_kernel' not in sys.modules; print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_tf32_puts_fp32_on_the_tensor_cores(tmp_path):
+    done, rows = compile_kernels(tmp_path, "--quick", "--dtypes", "f32", "--tf32", "--kernel", "matmul_reduce_scatter",
+                                 "--ms", "1024")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert rows and all(r["mma"] == "wgmma" and not r["problems"] for r in rows), rows
