@@ -64,12 +64,17 @@ from fastpipe.errors import BuildError
 # (nn.Parameters passed as they are: Llama's rotary runs under no_grad).
 # A static cache (max_len) adds aten.index_put (the cache write) and aten.full
 # (the mask's minimum); tests/test_static_cache.py checks those traces.
+# transformers 5.17 (the GPU machine's) builds the eager mask with
+# torch.where(mask, torch.tensor(0.0), min): a constant, read through aten.lift_fresh_copy
+# (VERSION_DEPENDENT_OPS: 5.23 and 5.24 trace no such op).
+VERSION_DEPENDENT_OPS = frozenset({"aten.lift_fresh_copy.default"})
 ATEN_OPS = frozenset({
     "aten._softmax.default", "aten._to_copy.default", "aten._unsafe_view.default", "aten.add.Tensor",
     "aten.addmm.default", "aten.alias.default", "aten.arange.default", "aten.bitwise_and.Tensor",
     "aten.bmm.default", "aten.cat.default", "aten.clone.default", "aten.cos.default", "aten.detach.default",
     "aten.embedding.default", "aten.expand.default", "aten.full.default", "aten.ge.Scalar",
-    "aten.gelu.default", "aten.index.Tensor", "aten.index_put.default", "aten.le.Tensor", "aten.mean.dim",
+    "aten.gelu.default", "aten.index.Tensor", "aten.index_put.default", "aten.le.Tensor",
+    "aten.lift_fresh_copy.default", "aten.mean.dim",
     "aten.mm.default", "aten.mul.Tensor", "aten.native_layer_norm.default", "aten.neg.default",
     "aten.new_ones.default", "aten.pow.Tensor_Scalar", "aten.rsqrt.default", "aten.scalar_tensor.default",
     "aten.select.int", "aten.silu.default", "aten.sin.default", "aten.slice.Tensor", "aten.split.Tensor",
