@@ -148,20 +148,11 @@ def sync(device: torch.device) -> None:
 
 
 def prime_capture_stream(device: torch.device) -> None:
-    """Make the cuBLAS workspace of the stream every fastpipe capture uses, outside any capture (once per
-    process it would otherwise be allocated inside the first graph's pool)."""
-    from fastpipe.runtime.graph_replay import _capture_stream
+    """Make the cuBLAS workspace of the stream every fastpipe capture uses, outside any capture (as each
+    capture does first: fastpipe.runtime.cuda_capture.prime_blas), so no graph's pool holds it."""
+    from fastpipe.runtime.cuda_capture import capture_stream, prime_blas
 
-    s = _capture_stream(device)
-    cur = torch.cuda.current_stream(device)
-    s.wait_stream(cur)
-    with torch.cuda.stream(s):
-        for dt in (torch.float32, torch.bfloat16):
-            a = torch.ones(64, 64, device=device, dtype=dt)
-            torch.mm(a, a)
-            torch.addmm(a, a, a)
-            del a
-    cur.wait_stream(s)
+    prime_blas(device, capture_stream(device))
     torch.cuda.synchronize(device)
 
 

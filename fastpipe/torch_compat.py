@@ -8,6 +8,7 @@ names ``torch._<something>``).
     FakeTensorMode, FakeTensor     fake tensors for shape propagation (torch._subclasses)
     unique_graphs()                dynamo's count of graphs compiled so far (torch._dynamo)
     make_graph_module(...)         a GraphModule whose code is generated lazily (torch.fx)
+    end_pool_routing(device, pool) stop routing allocations into a failed capture's pool (torch._C)
 
 ``make_graph_module`` builds a GraphModule without generating and exec-ing
 its Python code yet. torch.fx compiles a GraphModule's ``forward`` by
@@ -62,3 +63,23 @@ def make_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: 
     if _Lazy is not None:
         return _Lazy(root, graph, class_name)
     return torch.fx.GraphModule(root, graph, class_name)  # pragma: no cover
+
+
+def end_pool_routing(device_index: int, pool) -> bool:
+    """After a CUDA-graph capture whose ``capture_end`` raised: tell the caching allocator the
+    capture is over. Up to torch 2.11 ``CUDAGraph::capture_end`` throws on a failed
+    ``cudaStreamEndCapture`` before ``endAllocateToPool`` (pytorch#180395 moved it before the
+    check), which leaves the allocator believing a capture is underway: it then defers freeing
+    every block used on another stream (record_stream), ``empty_cache`` keeps them, and a later
+    synchronize can fail its ``captures_underway.empty()`` assertion. Where torch already ended
+    it, the allocator refuses (no capture routes to that pool) and nothing changes. Returns
+    whether the routing was still there. The pool's own memory is not released here: a torch
+    that releases it itself after a failed capture would then release it twice (pytorch#190348)."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return False
+    try:
+        end(device_index, pool)
+    except RuntimeError:
+        return False
+    return True

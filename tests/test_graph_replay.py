@@ -1,8 +1,8 @@
 """fastpipe's CUDA-graph capture lifecycle (fastpipe.runtime.graph_replay), on the CPU.
 
-These tests check fastpipe's own logic, not CUDA: the torch.cuda pieces GraphReplay uses
-(CUDAGraph, graph, synchronize, graph_pool_handle, Stream, current_stream, Event, device) are
-replaced by small fakes. A fake capture records the "kernels" a function hands to `launch` instead
+These tests check fastpipe's own logic, not CUDA: the torch.cuda pieces GraphReplay and
+fastpipe.runtime.cuda_capture use (CUDAGraph and its capture_begin/capture_end, stream, synchronize,
+empty_cache, graph_pool_handle, Stream, current_stream, Event, device) are replaced by small fakes. A fake capture records the "kernels" a function hands to `launch` instead
 of running them, and a fake replay runs them again on the tensors the capture saw, as a CUDA graph
 does; what the GPU does is tested by tests/test_graph_replay_gpu.py (marked `cuda`).
 """
@@ -16,7 +16,7 @@ import torch
 import fastpipe
 from fastpipe.errors import CompileError, InputError
 from fastpipe.options import RunOptions
-from fastpipe.runtime import graph_replay
+from fastpipe.runtime import cuda_capture
 from fastpipe.runtime.graph_replay import GraphPool, GraphReplay
 from tests.examples import GRAPHS
 
@@ -28,7 +28,11 @@ class FakeCuda:
 
     def __init__(self):
         self.capturing = None            # (graph, thread id) of the capture under way
-        self.captures: list[dict] = []   # the keywords each torch.cuda.graph got
+        self.captures: list[dict] = []   # each capture_begin: graph, pool, the current stream, mode
+        self.fail_end = 0                # the next this many capture_end calls raise (an invalidated capture)
+        self.ends = 0                    # capture_end calls
+        self.primed: list = []           # threads prime_blas ran in
+        self.routing_ended: list = []    # end_pool_routing calls: (device index, pool)
         self.handles: list = []
         self.delay = 0.0                 # seconds each replay takes
         self.barrier: threading.Barrier | None = None
@@ -48,6 +52,23 @@ class FakeGraph:
     def __init__(self, fake):
         self.fake, self.kernels, self.replays = fake, [], 0
 
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        f = self.fake
+        assert f.capturing is None, "two captures at once"
+        f.captures.append({"graph": self, "pool": pool, "stream": torch.cuda.current_stream(),
+                           "mode": capture_error_mode})
+        f.capturing = (self, threading.get_ident())
+
+    def capture_end(self):
+        f = self.fake
+        assert f.capturing is not None and f.capturing[0] is self and torch.cuda.current_stream() is \
+            f.captures[-1]["stream"], "capture_end on another stream than capture_begin's"
+        f.capturing = None
+        f.ends += 1
+        if f.fail_end:
+            f.fail_end -= 1
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
     def replay(self):
         f = self.fake
         with f.guard:
@@ -66,8 +87,8 @@ class FakeGraph:
 
 
 class FakeStream:
-    def __init__(self, fake, device=None):
-        self.fake = fake
+    def __init__(self, fake, device=None, priority=0):
+        self.fake, self.priority = fake, priority
 
     def wait_event(self, event):
         self.fake.waits += 1
@@ -85,28 +106,31 @@ def fake(monkeypatch):
     local = threading.local()
 
     @contextlib.contextmanager
-    def graph(g, pool=None, stream=None, capture_error_mode="global"):
-        assert f.capturing is None, "two captures at once"
-        f.captures.append({"graph": g, "pool": pool, "stream": stream, "mode": capture_error_mode})
-        f.capturing = (g, threading.get_ident())
+    def stream(s):
+        before = getattr(local, "stream", default)
+        local.stream = s
         try:
             yield
         finally:
-            f.capturing = None
+            local.stream = before
 
     def handle():
         f.handles.append(("pool", len(f.handles)))
         return f.handles[-1]
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: FakeGraph(f))
-    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", handle)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(f, device))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, priority=0: FakeStream(f, device, priority))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: getattr(local, "stream", default))
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(graph_replay, "_CAPTURE_STREAMS", {})
+    monkeypatch.setattr(cuda_capture, "_CAPTURE_STREAMS", {})
+    monkeypatch.setattr(cuda_capture, "prime_blas", lambda device, stream: f.primed.append(threading.get_ident()))
+    monkeypatch.setattr(cuda_capture, "end_pool_routing", lambda index, pool: f.routing_ended.append((index, pool)))
     f.use_stream = lambda: setattr(local, "stream", FakeStream(f))     # this thread on a stream of its own
     return f
 
@@ -148,7 +172,8 @@ def test_capture_at_warm_up_makes_every_call_a_replay(fake):
         assert torch.equal(r({"x": x})["y"], 2 * x)
     assert len(calls) == 2 and r.replays == r.graph.replays == 5     # never fn again: only replays
     assert len(fake.captures) == r.captures == 1
-    assert fake.captures[0]["mode"] == "thread_local" and fake.captures[0]["pool"] is None
+    assert fake.captures[0]["mode"] == "thread_local" and fake.captures[0]["pool"] == fake.handles[0]  # named
+    assert fake.captures[0]["stream"].priority == -1 and fake.primed == [threading.get_ident()]
     assert r.capture({"x": torch.ones(4)}) and r.captures == 1      # held: nothing to capture again
 
 
@@ -203,8 +228,8 @@ def test_one_pool_handle_reaches_every_capture_of_the_pool(fake):
     solo = GraphReplay(doubling(fake, []), CPU)
     for r in (a, b, solo):
         r.capture({"x": torch.zeros(2)})
-    assert len(fake.handles) == 1 and pool.graphs == 2
-    assert [c["pool"] for c in fake.captures] == [fake.handles[0], fake.handles[0], None]
+    assert len(fake.handles) == 2 and pool.graphs == 2              # the pool's, and solo's private one
+    assert [c["pool"] for c in fake.captures] == [fake.handles[0], fake.handles[0], fake.handles[1]]
     assert {id(c["stream"]) for c in fake.captures} == {id(fake.captures[0]["stream"])}   # one capture stream
     assert {c["mode"] for c in fake.captures} == {"thread_local"}
     with pytest.raises(ValueError, match="before the capture"):
@@ -306,6 +331,35 @@ def test_a_capture_failure_is_reported_at_capture(fake):
     strict = GraphReplay(breaks, CPU, policy="raise")
     with pytest.raises(CompileError, match="^CUDA-graph capture failed: RuntimeError: operation not permitted"):
         strict.capture({"x": torch.ones(2)})
+    assert fake.ends == 2 and fake.routing_ended == []       # each capture ended normally: nothing to undo
+    assert torch.cuda.current_stream() is not fake.captures[0]["stream"]   # off the capture stream again
+
+
+@pytest.mark.parametrize("body_fails", [False, True], ids=["end-fails", "body-and-end-fail"])
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_an_invalidated_capture_leaves_the_stream_and_the_allocator_as_they_were(fake, body_fails, policy):
+    """capture_end raising (an invalidated capture): the thread is back on its own stream (torch.cuda.graph's
+    __exit__ would leave it on the capture stream), the allocator's routing into the capture's pool is ended
+    (torch <= 2.11 leaves it), and the failure is reported per policy, with the body's error when it had one."""
+    def fn(ins):
+        if fake.capturing is not None and body_fails:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing (cudaStreamSynchronize)")
+        return {"y": ins["x"] * 2}
+
+    own = torch.cuda.current_stream()
+    fake.fail_end = 1
+    r = GraphReplay(fn, CPU, policy=policy)
+    want = "cudaStreamSynchronize" if body_fails else "operation not permitted when stream is capturing"
+    if policy == "raise":
+        with pytest.raises(CompileError, match=want):
+            r.capture({"x": torch.ones(2)})
+    else:
+        with pytest.warns(RuntimeWarning, match=want):
+            assert r.capture({"x": torch.ones(2)}) is False
+        assert torch.equal(r({"x": torch.ones(2)})["y"], torch.full((2,), 2.0))     # eager from then on
+    assert torch.cuda.current_stream() is own and fake.capturing is None
+    assert fake.routing_ended == [(0, fake.captures[0]["pool"])] and fake.captures[0]["pool"] == fake.handles[0]
+    assert not r.replaying
 
 
 def test_graph_pool_option_is_checked():
@@ -387,3 +441,21 @@ def test_a_capture_failing_at_compile_warns_there_and_describe_says_so(fake):
     assert "CUDA-graph capture failed (RuntimeError: operation not permitted" in sess.describe()
     x = torch.randn(8, 64)
     torch.testing.assert_close(sess.run({"x": x})["y"], fastpipe.load(path).run({"x": x})["y"])
+
+
+def test_end_pool_routing_ends_it_once_and_tolerates_a_torch_that_did(monkeypatch):
+    """torch_compat.end_pool_routing: the allocator call with (device index, pool); a refusal (torch ended
+    the routing itself, or no CUDA here) is not an error."""
+    from fastpipe import torch_compat
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda index, pool: calls.append((index, pool)),
+                        raising=False)
+    assert torch_compat.end_pool_routing(1, (0, 7)) is True and calls == [(1, (0, 7))]
+
+    def refuses(index, pool):
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", refuses)
+    assert torch_compat.end_pool_routing(1, (0, 7)) is False
+    monkeypatch.delattr(torch._C, "_cuda_endAllocateToPool")
+    assert torch_compat.end_pool_routing(1, (0, 7)) is False

@@ -31,7 +31,8 @@ run in parallel need pools of their own (the default: a private pool per graph).
 Threads. A GraphReplay may be called from several threads: copy-in, replay and copy-out of one call
 never interleave with another's (a lock per replay, or the pool's). Captures are taken one at a time
 in the process (one capture lock), with capture_error_mode="thread_local", so other threads may run
-other sessions (eager, or replaying) while one captures.
+other sessions (eager, or replaying) while one captures. The capture itself (fastpipe.runtime.cuda_capture)
+leaves the thread's stream and the allocator as they were when it fails.
 
 A capture failure follows the compile policy: "warn" keeps running `fn` eagerly, with a warning
 naming the reason; "raise" raises CompileError. Never silent; a capture at warm-up fails there.
@@ -45,18 +46,9 @@ from typing import Callable, Mapping
 import torch
 
 from fastpipe.errors import CompileError
+from fastpipe.runtime.cuda_capture import capture
 
-CAPTURE_ERROR_MODE = "thread_local"      # other threads' CUDA calls do not invalidate our capture
 _CAPTURE_LOCK = threading.Lock()         # one capture at a time in the process (torch's rule)
-_CAPTURE_STREAMS: dict = {}              # device -> the stream every capture on it uses (pool sharing wants one)
-
-
-def _capture_stream(device: torch.device):
-    key = str(device)
-    s = _CAPTURE_STREAMS.get(key)
-    if s is None:
-        s = _CAPTURE_STREAMS[key] = torch.cuda.Stream(device=device)
-    return s
 
 
 class _Turns:
@@ -192,12 +184,8 @@ class GraphReplay:
         static_in = {n: t if n in self.state and t.device == self.device and t.is_contiguous()
                      else t.to(self.device).clone() for n, t in inputs.items()}
         pool = None if self.pool is None else self.pool.handle()
-        with _CAPTURE_LOCK, torch.cuda.device(self.device):
-            torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=_capture_stream(self.device),
-                                  capture_error_mode=CAPTURE_ERROR_MODE):
-                static_out = dict(self.fn(dict(static_in)))
+        with _CAPTURE_LOCK:
+            g, static_out = capture(lambda: dict(self.fn(dict(static_in))), self.device, pool)
         self.graph, self.static_in, self.static_out = g, static_in, static_out
         self.captures += 1
         if self.pool is not None:
