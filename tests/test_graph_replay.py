@@ -459,3 +459,13 @@ def test_end_pool_routing_ends_it_once_and_tolerates_a_torch_that_did(monkeypatc
     assert torch_compat.end_pool_routing(1, (0, 7)) is False
     monkeypatch.delattr(torch._C, "_cuda_endAllocateToPool")
     assert torch_compat.end_pool_routing(1, (0, 7)) is False
+
+
+def test_static_buffers_are_normal_tensors_when_captured_under_inference_mode(fake):
+    """As fastpipe.runtime.inputs.to_device's copies: the graph's input buffers are normal tensors, so a
+    compiled fn sees at capture the kind of tensor it saw at warm-up (and the caller's state tensors)."""
+    r = GraphReplay(accumulating(fake, []), CPU, state={"c": "c_new"})
+    caches = torch.zeros(2)
+    with torch.inference_mode():
+        assert r.capture({"x": torch.ones(2), "c": caches})
+    assert not r.static_in["x"].is_inference() and r.static_in["c"] is caches

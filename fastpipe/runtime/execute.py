@@ -18,6 +18,7 @@ import torch
 from fastpipe import comm
 from fastpipe.errors import FastpipeError, RunError, key_path
 from fastpipe.lower.program import Program, Step
+from fastpipe.runtime.inputs import to_device
 from fastpipe.torch_compat import profiler_enabled
 
 
@@ -57,7 +58,7 @@ def step_args(step: Step, env: dict) -> list[torch.Tensor]:
     """The step's read tensors, on its device (bound constants in place of their names)."""
     args = [step.constants[n] if n in step.constants else env[n] for n in step.reads]
     dev = step.device
-    return [a if dev is None or a.device == dev else a.to(dev) for a in args]
+    return [a if dev is None else to_device(a, dev) for a in args]
 
 
 def labelled(label: str, fn, *args):

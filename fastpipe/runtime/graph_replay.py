@@ -181,8 +181,9 @@ class GraphReplay:
 
     def _capture(self, inputs) -> None:
         self.graph, self.static_in, self.static_out = None, {}, {}     # a recapture lets the old graph go
-        static_in = {n: t if n in self.state and t.device == self.device and t.is_contiguous()
-                     else t.to(self.device).clone() for n, t in inputs.items()}
+        with torch.inference_mode(False):       # normal tensors, as warm-up's device copies (inputs.to_device)
+            static_in = {n: t if n in self.state and t.device == self.device and t.is_contiguous()
+                         else t.to(self.device).clone() for n, t in inputs.items()}
         pool = None if self.pool is None else self.pool.handle()
         with _CAPTURE_LOCK:
             g, static_out = capture(lambda: dict(self.fn(dict(static_in))), self.device, pool)

@@ -49,3 +49,16 @@ def dense(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
     want = _dense_strides(tuple(t.shape))
     return t if t.stride() == want else t.as_strided(t.shape, want)
+
+
+def to_device(t: torch.Tensor, device, *, non_blocking: bool = False) -> torch.Tensor:
+    """`t` on `device` (itself when there already). A copy made here is a normal tensor even under
+    torch.inference_mode, as a caller's own device tensors are (an engine's KV caches): compiled graphs
+    see one kind of tensor at warm-up, at capture and in runs. Dynamo guards on it, so an inference
+    tensor where a normal one was seen (or the reverse) compiles the graph again, inside a CUDA-graph
+    capture too, where compiling and first launches are not allowed. A caller handing in inference
+    tensors of its own (made under inference_mode) costs one such recompile."""
+    if t.device == device:
+        return t
+    with torch.inference_mode(False):
+        return t.to(device, non_blocking=non_blocking)

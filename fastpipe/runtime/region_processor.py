@@ -35,7 +35,7 @@ from fastpipe.errors import FastpipeError, RunError
 from fastpipe.lower.program import Program
 from fastpipe.lower.regions import Region, by_unit
 from fastpipe.runtime.execute import call, group_where, labelled, run_compute, run_group, step_args
-from fastpipe.runtime.inputs import dense
+from fastpipe.runtime.inputs import dense, to_device
 
 _COMPILED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
 
@@ -291,7 +291,7 @@ class RegionProcessor:
         """The region's reads on its device and dense, canonical strides on size-1 dims too: a compiled
         region is specialised to its inputs' strides, and callers hand in views (run_model's slices)."""
         dev = run.device
-        return [dense(a if a.device == dev else a.to(dev)) for a in (env[n] for n in run.region.reads)]
+        return [dense(to_device(a, dev)) for a in (env[n] for n in run.region.reads)]
 
     def _run_graph(self, run: _RegionRun, env: dict) -> None:
         r = run.region

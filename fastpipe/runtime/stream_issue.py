@@ -47,6 +47,7 @@ from fastpipe.lower.check import simulate
 from fastpipe.lower.program import Program, Step
 from fastpipe.lower.table import human_bytes
 from fastpipe.runtime.execute import call, group_where, step_where
+from fastpipe.runtime.inputs import to_device
 
 SEP = "\x00"       # flat name of input/output `name` of chunk c: f"{c}{SEP}{name}" (one dict for a k-chunk graph)
 
@@ -124,7 +125,7 @@ class CudaBackend:
         return torch.cuda.current_stream(device)
 
     def place(self, t: torch.Tensor, device) -> torch.Tensor:
-        return t.to(device, non_blocking=True)          # on the caller's stream there (the current one)
+        return to_device(t, device, non_blocking=True)   # on the caller's stream there (the current one)
 
     def fork(self, lane, caller) -> None:
         lane.wait_stream(caller)
