@@ -13,6 +13,7 @@ import torch
 
 import fastpipe
 from fastpipe.errors import RunError
+from fastpipe.runtime.graph_replay import GraphPool
 from fastpipe.runtime.microbatch import split_chunks
 from fastpipe.runtime.stream_issue import (
     HostBackend,
@@ -397,12 +398,12 @@ def test_planned_memory_and_its_report():
 class FakeReplay:
     made: ClassVar[list] = []
 
-    def __init__(self, fn, device, *, policy="warn", alias_outputs=False, state=None):
-        self.fn, self.device, self.calls, self.graph, self.pool = fn, device, [], None, None
+    def __init__(self, fn, device, *, policy="warn", alias_outputs=False, state=None, turns=None):
+        self.fn, self.device, self.calls, self.graph, self.pool, self.turns = fn, device, [], None, None, turns
         FakeReplay.made.append(self)
 
     def use_pool(self, pool):
-        self.pool = pool
+        self.pool, self.turns = pool, pool.turns
 
     def __call__(self, inputs):
         self.calls.append(sorted(inputs))
@@ -451,10 +452,29 @@ def test_a_k_chunk_run_is_one_replayed_function_and_a_traced_run_is_eager(stubbe
         warnings.simplefilter("error")
         proc.run(parts, chunks=3, trace=[])                        # warned once
     assert proc.memory_report()["cpu"]["measured_peak_bytes"] == 12345
-    pool = object()
+    assert {id(r.turns) for r in FakeReplay.made} == {id(proc.turns)}   # one processor, one turn at a time
+    pool = GraphPool()
     proc.use_pool(pool)                                            # every chunk count's graph, made and to be made
     proc.run(parts[:2], chunks=2)
     assert [r.pool for r in FakeReplay.made] == [pool] * 3
+    assert proc.turns is pool.turns and all(r.turns is pool.turns for r in FakeReplay.made)
+
+
+def test_eager_runs_take_the_processors_turn(stubbed_cuda):
+    """A traced (eager) run issues onto the lanes every replay of the processor uses: it holds the
+    processor's lock (the pool's, with a pool), so no other thread captures or replays meanwhile."""
+    cp, _ = stubbed_cuda
+    ref = load_ref("two_stage_skip")
+    proc = cp.CudaProcessor(ref.program)
+    held = []
+    inner = proc.runner.run
+    proc.runner.run = lambda parts, trace=None: held.append(proc.turns.lock.locked()) or inner(parts, trace=trace)
+    with pytest.warns(RuntimeWarning, match="a traced run is issued eagerly"):
+        proc.run(chunked(ref, 1)[0], trace=[])
+    eager = cp.CudaProcessor(ref.program, cuda_graph=False)
+    eager.runner.run = lambda parts, trace=None: held.append(eager.turns.lock.locked()) or [{}]
+    eager.run(chunked(ref, 1)[0])
+    assert held == [True, True] and not proc.turns.lock.locked()
 
 
 def test_the_processor_issues_eagerly_without_graphs(stubbed_cuda):

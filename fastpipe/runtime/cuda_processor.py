@@ -42,7 +42,7 @@ import torch
 
 from fastpipe.errors import InputError
 from fastpipe.lower.program import Program
-from fastpipe.runtime.graph_replay import GraphReplay
+from fastpipe.runtime.graph_replay import GraphReplay, Turns
 from fastpipe.runtime.stream_issue import (
     CudaBackend,
     LaneRunner,
@@ -81,6 +81,9 @@ class CudaProcessor:
         self.compile_policy, self.alias_outputs = compile_policy, alias_outputs
         self.replays: dict[int, GraphReplay] = {}              # chunks -> the replay of a k-chunk run
         self.graph_pool = None                                 # use_pool(): every replay's memory pool
+        # every replay and every eager run issues onto the same lanes: one at a time (a capture would
+        # record another thread's eager work on a lane; the pool's turns once there is a pool)
+        self.turns = Turns()
         self._warned_trace = False
         self.reset_peak_memory()
 
@@ -102,7 +105,7 @@ class CudaProcessor:
                 return flatten_chunks(self.runner.run(unflatten_chunks(flat, chunks)))
 
             r = self.replays[chunks] = GraphReplay(whole_run, self.device, policy=self.compile_policy,
-                                                   alias_outputs=self.alias_outputs)
+                                                   alias_outputs=self.alias_outputs, turns=self.turns)
             if self.graph_pool is not None:
                 r.use_pool(self.graph_pool)
         return r
@@ -110,7 +113,7 @@ class CudaProcessor:
     def use_pool(self, pool) -> None:
         """Capture every graph of this processor (one per chunk count, made and to be made) into
         `pool` (a fastpipe.runtime.graph_replay.GraphPool: GraphReplay.use_pool); they take turns."""
-        self.graph_pool = pool
+        self.graph_pool, self.turns = pool, pool.turns
         for r in self.replays.values():
             r.use_pool(pool)
 
@@ -125,7 +128,8 @@ class CudaProcessor:
                 warnings.warn("fastpipe: a traced run is issued eagerly on streams, not replayed as a CUDA graph "
                               "(its steps are timed by CUDA events between them, which a replayed graph does not "
                               "have); its times are those of eager issue", RuntimeWarning, stacklevel=3)
-            return self.runner.run(parts, trace=trace)
+            with self.turns.lock:
+                return self.runner.run(parts, trace=trace)
         with torch.inference_mode():   # the replay's input copies and output clones too
             return unflatten_chunks(self._replay(len(parts))(flatten_chunks(parts)), len(parts))
 

@@ -29,7 +29,9 @@ the GPU each waits for the previous one's work when called from another stream. 
 run in parallel need pools of their own (the default: a private pool per graph).
 
 Threads. A GraphReplay may be called from several threads: copy-in, replay and copy-out of one call
-never interleave with another's (a lock per replay, or the pool's). Captures are taken one at a time
+never interleave with another's (a lock per replay, or the pool's, or the `turns=` it is given: the
+cuda processor gives all its replays, one per chunk count, its own Turns, which its eager runs take
+too, since they all issue onto the same lane streams). Captures are taken one at a time
 in the process (one capture lock), with capture_error_mode="thread_local", so other threads may run
 other sessions (eager, or replaying) while one captures. The capture itself (fastpipe.runtime.cuda_capture)
 leaves the thread's stream and the allocator as they were when it fails.
@@ -51,7 +53,7 @@ from fastpipe.runtime.cuda_capture import capture
 _CAPTURE_LOCK = threading.Lock()         # one capture at a time in the process (torch's rule)
 
 
-class _Turns:
+class Turns:
     """Calls that must not overlap: a lock for the host, and per device the event of the last call's
     GPU work, which a call from another stream waits for."""
 
@@ -81,7 +83,7 @@ class GraphPool:
     where no graph is captured (the CPU). `graphs`: how many graphs were captured into it."""
 
     def __init__(self):
-        self.turns = _Turns()
+        self.turns = Turns()
         self._handle = None
         self.graphs = 0
 
@@ -97,7 +99,7 @@ class GraphPool:
 class GraphReplay:
     def __init__(self, fn: Callable[[dict], dict], device: torch.device, *, policy: str = "warn",
                  alias_outputs: bool = False, state: Mapping[str, str] | None = None,
-                 pool: GraphPool | None = None):
+                 pool: GraphPool | None = None, turns: Turns | None = None):
         self.fn, self.device, self.policy, self.alias_outputs = fn, device, policy, alias_outputs
         self.state = dict(state or {})
         self._state_outputs = frozenset(self.state.values())
@@ -110,7 +112,7 @@ class GraphReplay:
         self.static_in: dict[str, torch.Tensor] = {}
         self.static_out: dict[str, torch.Tensor] = {}
         self.pool: GraphPool | None = None
-        self._turns = _Turns()
+        self._turns = turns if turns is not None else Turns()     # shared with whatever must not overlap it
         if pool is not None:
             self.use_pool(pool)
 
