@@ -334,6 +334,25 @@ def test_tensors_crossing_lanes_are_handed_to_the_backend():
     assert uses == [("use", "lane:1")] * 4                      # h1_r and h2_r, per chunk
 
 
+def test_cuda_backend_keeps_a_peer_read_tensor_for_the_stream_that_copies_it(monkeypatch):
+    """CudaBackend.use: on the lane's device, record_stream(lane); a tensor on another GPU is read by a
+    peer copy on that GPU's current stream, so its memory waits for that stream (not the lane)."""
+    from types import SimpleNamespace as NS
+
+    from fastpipe.runtime.stream_issue import CudaBackend
+
+    current = {torch.device("cuda", 0): "stream-cuda:0-current"}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[device])
+    recorded = []
+
+    def tensor(dev):
+        return NS(device=torch.device(dev), record_stream=recorded.append)
+    lane = NS(device=torch.device("cuda", 1))
+    CudaBackend().use(tensor("cuda:1"), lane)
+    CudaBackend().use(tensor("cuda:0"), lane)
+    assert recorded == [lane, "stream-cuda:0-current"]
+
+
 def test_a_failing_step_is_named_and_the_lanes_still_join():
     ref = load_ref("two_stage_skip")
 

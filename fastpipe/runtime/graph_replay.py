@@ -18,7 +18,8 @@ as the graph's scratch. capture(inputs) again with other state tensors captures 
 
 Outputs. Each call's outputs are clones of the graph's static outputs, so they stay valid (and
 unchanged) after later calls. `alias_outputs=True` hands out the static outputs themselves: valid
-only until the next call of this replay, which overwrites them. State outputs are the state
+only until the next call of this replay, which overwrites them, and, in a shared pool, until the
+next call of any replay of that pool (a later graph's temporaries may sit where they are). State outputs are the state
 buffers (the caller's own tensors when captured on them), updated in place by every call.
 
 Memory pools. `pool=` (a GraphPool) puts the graph into a memory pool shared with other replays'

@@ -146,10 +146,10 @@ class CudaBackend:
 
     def use(self, t: torch.Tensor, lane) -> None:
         # memory made on one stream and used on `lane`: the caching allocator keeps it until lane's
-        # work queued so far is done. A tensor on another device is read there by a peer copy on that
-        # device's current stream, which the copy itself orders (CUDA's cross-device copy barrier).
-        if t.device == lane.device:
-            t.record_stream(lane)
+        # work queued so far is done. A tensor on another device is read by a peer copy that torch
+        # issues on *that* device's current stream (ordered after lane's waits by the copy's two-way
+        # barrier): its memory must wait for that stream, or the producing lane could reuse it first.
+        t.record_stream(lane if t.device == lane.device else torch.cuda.current_stream(t.device))
 
     def hand_out(self, t: torch.Tensor, callers: Mapping) -> None:
         caller = callers.get(t.device)        # the caller's stream on the output's device
