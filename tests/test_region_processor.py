@@ -195,6 +195,32 @@ def test_failure_inside_a_region_names_the_supertask_and_slot(tmp_path, compile)
     assert torch.equal(sess.run(good)["y"], torch.ones(3, 2))
 
 
+def test_a_region_failing_inside_a_capture_is_not_re_run_there(tmp_path, monkeypatch):
+    """Inside a CUDA-graph capture a failed region raises as it is (the capture reports it): re-running
+    its steps would issue them into the failed capture, and the located error would blame them."""
+    from types import SimpleNamespace as NS
+
+    from fastpipe.runtime.region_processor import RegionProcessor
+
+    def broken(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    run = NS(device=torch.device("cuda", 0), fn=broken, region=NS(reads=(), writes=("y",), label="r0", name="r0"))
+    proc = RegionProcessor.__new__(RegionProcessor)
+    located = []
+
+    def locate(*args):
+        located.append(args)
+        raise RunError("located")
+    monkeypatch.setattr(proc, "_locate", locate, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="^operation not permitted when stream is capturing$"):
+        proc._run_graph(run, {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(RunError, match="^located$"):
+        proc._run_graph(run, {})
+    assert len(located) == 1                                 # outside a capture: located step by step
+
+
 def test_trace_compiled_one_lane_per_region_with_compile_time_apart(tmp_path):
     sess = fastpipe.load(GRAPHS / "moe_all_to_all" / "pipeline.json", processor="region", compile=True)
     sess.compile()

@@ -301,6 +301,8 @@ class RegionProcessor:
         except FastpipeError:
             raise
         except Exception as e:  # noqa: BLE001 - located by re-running the region step by step
+            if run.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise   # inside a CUDA-graph capture: re-running would issue into the failed capture
             self._locate(run, env, e)
         env.update(zip(r.writes, outs))
 
