@@ -19,8 +19,9 @@ as the graph's scratch. capture(inputs) again with other state tensors captures 
 Outputs. Each call's outputs are clones of the graph's static outputs, so they stay valid (and
 unchanged) after later calls. `alias_outputs=True` hands out the static outputs themselves: valid
 only until the next call of this replay, which overwrites them, and, in a shared pool, until the
-next call of any replay of that pool (a later graph's temporaries may sit where they are). State outputs are the state
-buffers (the caller's own tensors when captured on them), updated in place by every call.
+next call of any replay of that pool (a later graph's temporaries may sit where they are). State
+outputs are the state buffers (the caller's own tensors when captured on them), updated in place
+by every call.
 
 Memory pools. `pool=` (a GraphPool) puts the graph into a memory pool shared with other replays'
 graphs: what one graph frees at the end of its capture (its temporaries), the graphs captured after
@@ -32,10 +33,11 @@ run in parallel need pools of their own (the default: a private pool per graph).
 Threads. A GraphReplay may be called from several threads: copy-in, replay and copy-out of one call
 never interleave with another's (a lock per replay, or the pool's, or the `turns=` it is given: the
 cuda processor gives all its replays, one per chunk count, its own Turns, which its eager runs take
-too, since they all issue onto the same lane streams). Captures are taken one at a time
-in the process (one capture lock), with capture_error_mode="thread_local", so other threads may run
-other sessions (eager, or replaying) while one captures. The capture itself (fastpipe.runtime.cuda_capture)
-leaves the thread's stream and the allocator as they were when it fails.
+too, since they all issue onto the same lane streams). Captures are taken one at a time in the
+process (one capture lock), with capture_error_mode="thread_local", so other threads may run other
+sessions (eager, or replaying) while one captures. The capture itself
+(fastpipe.runtime.cuda_capture) leaves the thread's stream and the allocator as they were when it
+fails.
 
 A capture failure follows the compile policy: "warn" keeps running `fn` eagerly, with a warning
 naming the reason; "raise" raises CompileError. Never silent; a capture at warm-up fails there.
