@@ -96,7 +96,6 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
     ``device_name``. Everything is restored on exit."""
     from triton.runtime.driver import driver
 
-    picked: list = []
     saved = []
 
     def patch(obj, name, value):
@@ -106,9 +105,7 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
     real_pick = mrs.pick_config
 
     def pick_as_on_gpu(M, N, K, dtype, device="cuda", **kw):
-        cfg = real_pick(M, N, K, dtype, torch.device("cuda"), **kw)
-        picked.append(cfg)
-        return cfg
+        return real_pick(M, N, K, dtype, torch.device("cuda"), **kw)
 
     def compile_only(kernel):
         run = kernel.run
@@ -213,8 +210,7 @@ def cases(args) -> list[tuple[str, int, int, int, int, torch.dtype]]:
 
 
 def tune_configs(kernel: str, M: int, NK: int, n: int, dim: int, dtype: torch.dtype) -> list[KernelConfig]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    from bench_fused_kernels import launcher_shape, tune_candidates
+    from bench.bench_fused_kernels import launcher_shape, tune_candidates   # the repository root is on sys.path
     _, lm, ln, _ = launcher_shape(kernel, M, NK, n, dim)
     return tune_candidates(lm, ln, dtype, smoke=False)
 

@@ -58,7 +58,7 @@ def step_args(step: Step, env: dict) -> list[torch.Tensor]:
     """The step's read tensors, on its device (bound constants in place of their names)."""
     args = [step.constants[n] if n in step.constants else env[n] for n in step.reads]
     dev = step.device
-    return [a if dev is None else to_device(a, dev) for a in args]
+    return [a if dev is None or a.device == dev else to_device(a, dev) for a in args]
 
 
 def labelled(label: str, fn, *args):
