@@ -26,6 +26,26 @@ def test_committed_set_generates_transformers_tokens_on_cpu():
         assert _generate(eng) == EXPECTED["tokens"]
 
 
+def test_committed_greedy_tokens_win_by_a_margin_no_device_rounding_can_flip(monkeypatch):
+    """The GPU test below compares greedy tokens made on the GPU with expected.json (made on the CPU):
+    that holds only while every expected token beats the runner-up by far more than f32 rounding
+    across devices (~1e-6 of logits near 0.6). Every logit row the engine samples from is kept here."""
+    import fastpipe.generation.engine as engine_mod
+
+    rows = []
+
+    def greedy(logits, params, gens):                        # logits [R, V]
+        rows.append(logits.detach().clone())
+        return logits.argmax(-1)
+    monkeypatch.setattr(engine_mod, "sample", greedy)
+    with Engine(SET, eos_token_id=None, compile=False) as eng:
+        assert _generate(eng) == EXPECTED["tokens"]
+    top2 = torch.cat(rows).topk(2, dim=-1).values                 # [steps, 2]
+    assert top2.shape[0] == sum(EXPECTED["max_new_tokens"])              # one row per token made
+    gap = float((top2[:, 0] - top2[:, 1]).min())
+    assert gap > 1e-4, gap                                        # 5.2e-4 when made (2026-11-25)
+
+
 def _on_gpu(path: Path) -> dict:
     p = read_pipeline(path)
     return {slot: "cuda:0" for slot in p.devices}
