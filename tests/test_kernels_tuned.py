@@ -1,6 +1,6 @@
 """Measured launch configs (fastpipe.kernels.tuned) come before pick_config's heuristic on the GPU
-they were measured on, for their dtype, N, K, n and launcher, by the smallest measured M >= the call's;
-a bad table is reported once and not used."""
+they were measured on, for their dtype, N, K, n and launcher, within a factor of two of the measured M
+(nearest first) or above the largest; a bad table is reported once and not used."""
 import json
 
 import pytest
@@ -36,9 +36,13 @@ def test_tuned_entry_wins_where_it_applies(tmp_path, monkeypatch, on_h100):
     heuristic_f16 = pick_config(64, 4096, 4096, torch.float16, "cuda", n=2)
     write(tmp_path, monkeypatch, {"format": 1, "entries": [entry(1024, 128), entry(128, 32), entry(128, 16, n=4)]})
     pick = lambda M, **kw: pick_config(M, 4096, 4096, torch.bfloat16, "cuda", **kw)  # noqa: E731
-    assert (pick(64, n=2).block_m, pick(128, n=2).block_m, pick(129, n=2).block_m) == (32, 32, 128)
+    assert (pick(65, n=2).block_m, pick(128, n=2).block_m, pick(256, n=2).block_m) == (32, 32, 32)
+    assert (pick(513, n=2).block_m, pick(2048, n=2).block_m) == (128, 128)        # 1024's window: (512, 2048]
     assert pick(8192, n=2).block_m == 128 and pick(8192, n=2).num_stages == 5     # above all: the largest M's
-    assert pick(64, n=4).block_m == 16
+    assert pick(100, n=4).block_m == 16
+    assert pick(64, n=2) == heuristic                      # below 128's window: a decode's M is not 128's
+    assert pick(300, n=2) == pick(300, n=8)                # between windows: the heuristic
+    assert pick(300, n=2).num_stages != 5
     assert pick(64, n=8) == heuristic                                            # no entry for n=8
     assert pick(64, n=2, launcher="gather_rows") == heuristic                    # another kernel
     assert pick_config(64, 4096, 4096, torch.float16, "cuda", n=2) == heuristic_f16   # another dtype

@@ -11,8 +11,11 @@ A table is JSON written by ``bench/bench_fused_kernels.py --write-tuned`` from a
 launcher: the kernel launched, ``mm_sum`` (matmul_reduce_scatter; all_gather_matmul with dim 1) or
 ``gather_rows`` (all_gather_matmul with dim 0); M, N, K, n: what that launcher sees (rows, columns, the
 longest participant's K, participants). An entry applies to the GPU whose name it records (a config
-tuned on one GPU says nothing of another's), the same dtype, N, K and n, and to every M up to its own:
-the entry with the smallest M >= the call's M wins (above every measured M, the largest).
+tuned on one GPU says nothing of another's), the same dtype, N, K and n, and to calls whose M is within
+a factor of two of its own (M/2 < call's M <= 2M; the nearest entry wins, a tie the larger), and above
+the largest measured M, to every M. Elsewhere the heuristic picks: a config's fitness depends on how
+many tiles the grid has (ceil(M / BLOCK_M) x ceil(N / BLOCK_N) against the SMs), so one tuned at M 1024
+(a 128x256 tile, 128 tiles at N 4096) would leave most of an H100 idle at a decode's M 16 (16 tiles).
 
 Where: ``$FASTPIPE_TUNED_CONFIGS`` if set, else ``tuned_configs.json`` beside this file (shipped
 when a GPU session has measured one). No table: the heuristic. A table that cannot be read or
@@ -21,6 +24,7 @@ has a bad entry is reported once (a warning naming the file and the field) and n
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import warnings
@@ -99,7 +103,7 @@ def lookup(launcher: str, M: int, N: int, K: int, n: int, dtype: torch.dtype, de
     rows = _table(table_path()).get((launcher, device_name, str(dtype).replace("torch.", ""), N, K, n))
     if not rows:
         return None
-    for m, cfg in rows:
-        if m >= M:
-            return cfg
-    return rows[-1][1]
+    near = [(abs(math.log2(M / m)), -m, cfg) for m, cfg in rows if m / 2 < M <= 2 * m]
+    if near:
+        return min(near, key=lambda t: t[:2])[2]
+    return rows[-1][1] if M > rows[-1][0] else None
