@@ -13,25 +13,37 @@ Default grid: M in {16, 128, 1024, 8192}, N = K in {4096, 8192}, n in {2, 4}, bf
 
 matmul_reduce_scatter (a[i]: [M, K], b[i] = w_i.t(): [K, N], as a row-parallel linear layer):
   fused    fastpipe.kernels.matmul_reduce_scatter: one launch, every tile written once
-  unfused  what the runtime runs without fusion (the cuda/reference processors, members on one
-           device): the compute step's torch.mm per participant, then the group's callable,
-           fastpipe.comm.reduce_scatter (float32 fold, one cast, a fresh chunk per member)
+  unfused  what the runtime runs without fusion (the cuda processor, members on one GPU): each
+           member's compute step, torch.mm, on its own stream (the slots' lanes, overlapping),
+           then the group's callable, fastpipe.comm.reduce_scatter (float32 fold, one cast, a
+           fresh chunk per member), after all of them
   torch.mm one mm of [M, n*K] x [n*K, N]: the same FLOPs in one cuBLAS call (the roofline
            the fused kernel should approach)
 all_gather_matmul (a[i]: [M/n, K] (dim 0) or [M, K/n] (dim 1), b[j] = w_j.t(): [K, N/n]):
   fused    fastpipe.kernels.all_gather_matmul: one launch per j, no cat(a)
-  unfused  fastpipe.comm.all_gather (one gathered copy per member), then torch.mm per j
+  unfused  fastpipe.comm.all_gather (one gathered copy per member), then torch.mm per j, each on
+           member j's stream
   torch.mm one mm of [M, K] x [K, N]: the same FLOPs
 
-Each time is triton.testing.do_bench's median (p20-p80 shown) after its warm-up; the fused
-kernel's first call (Triton compile) is reported apart. TFLOP/s = 2*M*N*K_total / time, and its
+Each variant is timed as the runtime runs it by default: captured once as a CUDA graph (the
+unfused members' matmuls forked onto their own streams inside it) and replayed, so no variant
+pays host launch overhead the runtime does not (--eager: launched from Python on one stream
+instead; a case whose capture fails is timed eagerly, and its row's "timing" says why). Each
+time is triton.testing.do_bench's median (p20-p80 shown) after its warm-up, with L2 flushed
+between repetitions; the fused kernel's first call (Triton compile) is reported apart. TFLOP/s = 2*M*N*K_total / time, and its
 share of the GPU's dense bf16/fp16 peak (PEAK_TFLOPS_16BIT, by device name; --peak-tflops overrides).
 The targets (issue 16), checked per row from M = 1024 on: fused >= 1.3x the unfused path, and fused
 TFLOP/s >= 70% of torch.mm's.
 The "rule" column is what ``fused_is_faster`` (the runtime's threshold) picks today.
 
---check compares every variant's result with one float32 reference computed from the same
-inputs upcast, with tolerances for the dtype (``tolerance`` below): a mismatch exits 1.
+--check compares every variant's result (the replayed graph's, where timed so) with one float32
+reference computed from the same inputs upcast, with tolerances for the dtype (``tolerance``
+below): a mismatch exits 1.
+
+Results are written to --json after every case (atomically), so a run cut off keeps what it
+measured; a case that raises (out of memory, a launch error) becomes a row with its "error" and
+the run goes on (exit 1 at the end); --budget-s stops starting cases after that many seconds
+(the rows not run are listed as "not_run").
 
 --tune times the fused kernel under each of tune_candidates' launch configs (short do_bench runs),
 times the fastest again in full and checks it (--check); --write-tuned turns the rows where it beat
@@ -105,16 +117,20 @@ def tolerance(variant: str, kernel: str, dtype: torch.dtype, device: torch.devic
 
     Every variant accumulates in float32 and rounds its result to the dtype once: at most u|ref|
     (u the unit roundoff: bf16 2^-8, fp16 2^-11), rtol = 2u; the summation orders differ by at most
-    ACC*mag. The unfused matmul_reduce_scatter also rounds each participant's partial product
-    (torch.mm's output) to the dtype before the float32 sum, at most u * |a_i| @ |b_i| each, so
-    u*mag in all: its atol gets 2u more. Under the CPU interpreter the fused kernel's final cast
-    truncates (one ulp, not half): rtol doubles.
+    ACC*mag. cuBLAS (torch.mm: the unfused variant and the torch.mm one) may also reduce split-K
+    partials in the 16-bit dtype (torch.backends.cuda.matmul.allow_bf16/fp16_reduced_precision_reduction,
+    on by default, as the runtime runs): at most about u*mag more, atol + 2u. The unfused
+    matmul_reduce_scatter also rounds each participant's partial product (torch.mm's output) to the
+    dtype before the float32 sum, at most u * |a_i| @ |b_i| each, so u*mag in all: 2u more again.
+    Under the CPU interpreter the fused kernel's final cast truncates (one ulp, not half): rtol doubles.
     """
     u = UNIT_ROUNDOFF[dtype]
     rtol = 2 * u * (2 if variant == "fused" and device.type == "cpu" else 1)
     atol = ACC
-    if variant == "unfused" and kernel == "matmul_reduce_scatter" and dtype != torch.float32:
+    if variant != "fused" and dtype != torch.float32:
         atol += 2 * u
+        if variant == "unfused" and kernel == "matmul_reduce_scatter":
+            atol += 2 * u
     return rtol, atol
 
 
@@ -132,6 +148,42 @@ def bench(fn, device, quick: bool = False) -> tuple[float, float, float]:
         fn()
         ts.append((time.perf_counter() - t) * 1e3)
     return statistics.median(ts), min(ts), max(ts)
+
+
+def capture(fn, device):
+    """fn captured as one CUDA graph: (graph, the outputs its replays rewrite). fn runs once first on
+    a side stream (cuBLAS handles, Triton compiles, the allocator settles), as CUDA graphs need."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
+def timed_forms(fns: dict, device, eager: bool) -> tuple[dict, str, list]:
+    """({variant: a call that runs it and returns its outputs}, how it is timed, graphs to reset):
+    on a GPU, graph replays unless eager; a failed capture times the whole case eagerly (saying why)."""
+    if device.type != "cuda" or eager:
+        return fns, "eager", []
+    graphs, forms = [], {}
+    try:
+        for v, fn in fns.items():
+            g, out = capture(fn, device)
+            graphs.append(g)
+            forms[v] = lambda g=g, out=out: (g.replay(), out)[1]
+    except Exception as e:  # noqa: BLE001 - said in the row and printed, never silent
+        for g in graphs:
+            g.reset()
+        torch.cuda.synchronize(device)
+        why = f"eager: capture of {v} failed: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        print(f"  {why}", flush=True)
+        return fns, why, []
+    return forms, "graph", graphs
 
 
 def first_call_ms(fn, device) -> float:
@@ -160,18 +212,35 @@ def make_agm(M, NK, n, dim, dtype, device, seed=0):
     return a, [x.t() for x in w]
 
 
-def unfused_mrs(a, b, dim):
-    """The runtime's unfused path: each member's compute step ends in torch.mm, then the group's
-    reduce_scatter (fastpipe.runtime.execute.group_fn -> fastpipe.comm.reduce_scatter)."""
-    parts = [torch.mm(x, y) for x, y in zip(a, b)]
+def on_lanes(calls, lanes):
+    """calls[i]() on lanes[i] (forked from and joined back to the current stream), as the cuda
+    processor runs each slot's step on its own stream; lanes None: one after another here. Only
+    inside a graph capture or before a synchronize: nothing is record_stream-ed."""
+    if lanes is None:
+        return [c() for c in calls]
+    cur = torch.cuda.current_stream()
+    outs = []
+    for call, lane in zip(calls, lanes):
+        lane.wait_stream(cur)
+        with torch.cuda.stream(lane):
+            outs.append(call())
+    for lane in lanes:
+        cur.wait_stream(lane)
+    return outs
+
+
+def unfused_mrs(a, b, dim, lanes=None):
+    """The runtime's unfused path: each member's compute step ends in torch.mm (on its own lane),
+    then the group's reduce_scatter (fastpipe.runtime.execute.group_fn -> fastpipe.comm.reduce_scatter)."""
+    parts = on_lanes([lambda x=x, y=y: torch.mm(x, y) for x, y in zip(a, b)], lanes)
     return comm.reduce_scatter(parts, "sum", dim, [x.device for x in a])
 
 
-def unfused_agm(a, b, dim):
+def unfused_agm(a, b, dim, lanes=None):
     """The runtime's unfused path: the group's all_gather (one gathered copy per member), then each
-    member's compute step's torch.mm."""
+    member's compute step's torch.mm (on its own lane)."""
     full = comm.all_gather(a, dim, [x.device for x in a])
-    return [torch.mm(f, bj) for f, bj in zip(full, b)]
+    return on_lanes([lambda f=f, bj=bj: torch.mm(f, bj) for f, bj in zip(full, b)], lanes)
 
 
 def reference_f32(kernel, a, b, dim) -> tuple[list, list]:
@@ -194,8 +263,9 @@ def check_variant(kernel, variant, outs, refs, mags, dtype, device) -> float:
     return max(error_ratio(o, r, m, rtol=rtol, atol=atol) for o, r, m in zip(outs, refs, mags))
 
 
-def variants(kernel, M, NK, n, dim, dtype, device):
-    """(fns by variant, K_total, N) for one case, or None where the split is not divisible by n."""
+def variants(kernel, M, NK, n, dim, dtype, device, lanes=None):
+    """(a, b, fns by variant, split, K_total, N) for one case, or None where the split is not
+    divisible by n; lanes: the unfused members' streams (on_lanes)."""
     if kernel == "matmul_reduce_scatter":
         if (M if dim == 0 else NK) % n:
             return None
@@ -203,7 +273,7 @@ def variants(kernel, M, NK, n, dim, dtype, device):
         a_cat = torch.cat(a, dim=1)
         b_cat = torch.cat([x.t() for x in b], dim=1).t()  # [n*K, N], the same w.t() layout
         fns = {"fused": lambda: matmul_reduce_scatter(a, b, dim=dim),
-               "unfused": lambda: unfused_mrs(a, b, dim),
+               "unfused": lambda: unfused_mrs(a, b, dim, lanes),
                "torch.mm": lambda: torch.mm(a_cat, b_cat)}
         split = lambda out: list(torch.chunk(out, n, dim))  # noqa: E731
         return a, b, fns, split, n * NK, NK
@@ -213,36 +283,48 @@ def variants(kernel, M, NK, n, dim, dtype, device):
     a_cat = torch.cat(a, dim=dim)
     b_cat = torch.cat([x.t() for x in b], dim=0).t()  # [K, N]
     fns = {"fused": lambda: all_gather_matmul(a, b, dim=dim),
-           "unfused": lambda: unfused_agm(a, b, dim),
+           "unfused": lambda: unfused_agm(a, b, dim, lanes),
            "torch.mm": lambda: torch.mm(a_cat, b_cat)}
     split = lambda out: list(torch.split(out, [bj.shape[1] for bj in b], dim=1))  # noqa: E731
     return a, b, fns, split, NK, NK
 
 
-def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | None = None) -> dict:
-    made = variants(kernel, M, NK, n, dim, dtype, device)
+def case_key(kernel, M, NK, n, dim, dtype) -> dict:
+    return {"kernel": kernel, "M": M, "N=K": NK, "n": n, "dim": dim, "dtype": str(dtype).replace("torch.", "")}
+
+
+def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | None = None, eager: bool = False,
+             lanes=None) -> dict:
+    """One row: every variant timed (graph replays unless eager), checked with --check; {} where the
+    split is not divisible by n. lanes: n streams for the unfused members (on a GPU, unless eager)."""
+    made = variants(kernel, M, NK, n, dim, dtype, device, None if eager else lanes)
     if made is None:
         return {}
     a, b, fns, split, k_total, N = made
-    row = {"kernel": kernel, "M": M, "N=K": NK, "N": N, "K_total": k_total, "n": n, "dim": dim,
-           "dtype": str(dtype).replace("torch.", "")}
+    row = {**case_key(kernel, M, NK, n, dim, dtype), "N": N, "K_total": k_total}
     row["first_call_ms"] = first_call_ms(fns["fused"], device)
-    if check:
-        refs, mags = reference_f32(kernel, a, b, dim)
-        worst = {}
-        for v, fn in fns.items():
-            outs = fn()
-            worst[v] = check_variant(kernel, v, split(outs) if v == "torch.mm" else outs, refs, mags, dtype, device)
-            del outs
-        row["worst_err_over_tol"] = worst
-        row["check"] = "ok" if all(w <= 1.0 for w in worst.values()) else "MISMATCH"
-        del refs, mags
-    flops = 2.0 * M * N * k_total
-    for name, fn in fns.items():
-        med, p20, p80 = bench(fn, device)
-        row[f"{name}_ms"], row[f"{name}_p20"], row[f"{name}_p80"] = med, p20, p80
-        row[f"{name}_tflops"] = flops / (med * 1e-3) / 1e12
-        row[f"{name}_of_peak"] = row[f"{name}_tflops"] / peak if peak else None
+    forms, row["timing"], graphs = timed_forms(fns, device, eager)
+    try:
+        if check:
+            refs, mags = reference_f32(kernel, a, b, dim)
+            worst = {}
+            for v, fn in forms.items():
+                outs = fn()
+                worst[v] = check_variant(kernel, v, split(outs) if v == "torch.mm" else outs, refs, mags, dtype,
+                                         device)
+                del outs
+            row["worst_err_over_tol"] = worst
+            row["check"] = "ok" if all(w <= 1.0 for w in worst.values()) else "MISMATCH"
+            del refs, mags
+        flops = 2.0 * M * N * k_total
+        for name, fn in forms.items():
+            med, p20, p80 = bench(fn, device)
+            row[f"{name}_ms"], row[f"{name}_p20"], row[f"{name}_p80"] = med, p20, p80
+            row[f"{name}_tflops"] = flops / (med * 1e-3) / 1e12
+            row[f"{name}_of_peak"] = row[f"{name}_tflops"] / peak if peak else None
+    finally:
+        for g in graphs:
+            g.reset()
     row["peak_tflops"] = peak
     row["speedup"] = row["unfused_ms"] / row["fused_ms"]
     row["rule_says_fused"] = fused_is_faster(M, N, k_total, n, dtype)
@@ -285,8 +367,9 @@ def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool) -> list[Ker
     return out
 
 
-def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smoke: bool) -> dict:
-    """Time the fused kernel under every candidate config; the fastest, checked, vs the heuristic's time."""
+def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smoke: bool, eager: bool = False) -> dict:
+    """Time the fused kernel under every candidate config (short eager runs, to rank them); the fastest,
+    timed as the row's fused kernel was (a graph replay unless eager) and checked, vs the heuristic's time."""
     made = variants(kernel, M, NK, n, dim, dtype, device)
     a, b, _, _, _, _ = made
     fused = (lambda cfg: matmul_reduce_scatter(a, b, dim=dim, config=cfg)) if kernel == "matmul_reduce_scatter" \
@@ -302,13 +385,18 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
     if not timed:
         return {}
     best_ms, best = min(timed, key=lambda t: t[0])
-    best_ms = bench(lambda: fused(best), device)[0]          # the winner, timed like every other row
-    out = {"launcher": launcher, "M": lm, "N": ln, "K": lk, "n": n, "config": dataclasses.asdict(best),
-           "ms": best_ms, "heuristic_ms": row["fused_ms"], "candidates": len(timed)}
-    if check:
-        refs, mags = reference_f32(kernel, a, b, dim)
-        out["check"] = "ok" if check_variant(kernel, "fused", fused(best), refs, mags, dtype, device) <= 1.0 \
-            else "MISMATCH"
+    forms, timing, graphs = timed_forms({"fused": lambda: fused(best)}, device, eager or row["timing"] != "graph")
+    try:
+        best_ms = bench(forms["fused"], device)[0]           # the winner, timed like the row's fused kernel
+        out = {"launcher": launcher, "M": lm, "N": ln, "K": lk, "n": n, "config": dataclasses.asdict(best),
+               "ms": best_ms, "heuristic_ms": row["fused_ms"], "candidates": len(timed), "timing": timing}
+        if check:
+            refs, mags = reference_f32(kernel, a, b, dim)
+            out["check"] = "ok" if check_variant(kernel, "fused", forms["fused"](), refs, mags, dtype, device) <= 1.0 \
+                else "MISMATCH"
+    finally:
+        for g in graphs:
+            g.reset()
     return out
 
 
@@ -321,7 +409,8 @@ def tuned_table(paths, min_gain: float = 0.03) -> dict:
         device = doc["machine"]["device"]
         for r in doc["rows"]:
             t = r.get("tuned")
-            if not t or t.get("check", "ok") != "ok" or t["ms"] >= (1 - min_gain) * t["heuristic_ms"]:
+            if not t or t.get("check", "ok") != "ok" or t["ms"] >= (1 - min_gain) * t["heuristic_ms"] \
+                    or t.get("timing", "graph") != r.get("timing", "graph"):
                 continue
             entries.append({"launcher": t["launcher"], "device": device, "dtype": r["dtype"], "M": t["M"],
                             "N": t["N"], "K": t["K"], "n": t["n"], "config": t["config"], "ms": t["ms"],
@@ -335,7 +424,7 @@ def print_table(rows: list[dict], check: bool) -> None:
               "rule: fused?", "targets (M >= 1024)"] + (["check"] if check else [])
     table = []
     pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
-    for r in rows:
+    for r in measured(rows):
         t = r.get("targets") or {}
         verdict = "-" if not t else (f"{'met' if t['speedup_met'] else 'MISSED'} >= {TARGET_SPEEDUP}x, "
                                      f"{'met' if t['of_torch_mm_met'] else 'MISSED'} >= {TARGET_OF_MM:.0%} of torch.mm")
@@ -353,13 +442,18 @@ def print_table(rows: list[dict], check: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------- thresholds
+def measured(rows: list[dict]) -> list[dict]:
+    """The rows that were timed (not those that failed with an "error")."""
+    return [r for r in rows if "error" not in r]
+
+
 def crossover(rows: list[dict], margin: float = 1.0) -> list[dict]:
     """The measured crossover per (kernel, dim, dtype, N, K_total, n): ``min_M``, the smallest
     measured M from which the fused kernel was faster than the unfused path at EVERY larger measured
     M too (``unfused_ms > margin * fused_ms``), None where it never was at the largest M; with the
     speedups behind it and whether ``fused_is_faster`` (today's rule) agrees at every M measured."""
     groups: dict[tuple, list[dict]] = {}
-    for r in rows:
+    for r in measured(rows):
         key = (r["kernel"], r["dim"], r["dtype"], r["N"], r["K_total"], r["n"])
         groups.setdefault(key, []).append(r)
     out = []
@@ -427,6 +521,10 @@ def main(argv=None) -> int:
                     help="no timing: write fastpipe.kernels.tuned's table (TABLE_JSON) from --tune result files")
     ap.add_argument("--peak-tflops", type=float,
                     help="the GPU's dense 16-bit peak TFLOP/s (default: PEAK_TFLOPS_16BIT by the device's name)")
+    ap.add_argument("--eager", action="store_true",
+                    help="time launches from Python on one stream, not CUDA-graph replays (host overhead included)")
+    ap.add_argument("--budget-s", type=float,
+                    help="start no case after this many seconds (the rest are listed as not_run in --json)")
     args = ap.parse_args(argv)
 
     if args.write_tuned:
@@ -446,7 +544,7 @@ def main(argv=None) -> int:
         print_thresholds(ts)
         if args.json:
             machines = [json.loads(Path(p).read_text()).get("machine") for p in args.threshold]
-            Path(args.json).write_text(json.dumps({"machines": machines, "crossovers": ts}, indent=1))
+            write_results(args.json, {"machines": machines, "crossovers": ts})
             print(f"wrote {args.json}")
         return 0
 
@@ -470,43 +568,69 @@ def main(argv=None) -> int:
         print(f"no {args.dtype} peak known for {info['device']}: the % peak columns are empty (--peak-tflops sets it)")
     print(f"{', '.join(kernels)}, dtype {args.dtype}, dim {args.dim}, all participants on {device}"
           + (" (SMOKE RUN: interpreter, timings meaningless)" if args.smoke else ""))
-    rows = []
-    for kernel in kernels:
-        for nk in nks:
-            for n in ns:
-                for M in ms:
-                    row = run_case(kernel, M, nk, n, args.dim, dtype, device, args.check, peak)
-                    if not row:
-                        print(f"skipped {kernel} M={M} N=K={nk} n={n}: the split dimension is not divisible by n")
-                        continue
-                    if args.tune:
-                        row["tuned"] = tune_case(kernel, M, nk, n, args.dim, dtype, device, row, args.check,
-                                                 args.smoke)
-                        t = row["tuned"]
-                        if t:
-                            print(f"  tuned {kernel} M={M} N=K={nk} n={n}: {t['ms']:.3f} ms with {t['config']} "
-                                  f"vs the heuristic's {t['heuristic_ms']:.3f} ms ({t['candidates']} configs"
-                                  + (f", check {t['check']}" if "check" in t else "") + ")", flush=True)
-                    rows.append(row)
-                    print(f"  {kernel} M={M} N=K={nk} n={n}: fused {row['fused_ms']:.3f} ms, unfused "
-                          f"{row['unfused_ms']:.3f} ms, torch.mm {row['torch.mm_ms']:.3f} ms"
-                          + (f", check {row['check']}" if args.check else ""), flush=True)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+    cases = [(kernel, nk, n, M) for kernel in kernels for nk in nks for n in ns for M in ms]
+    lanes = [torch.cuda.Stream(device) for _ in range(max(ns))] if device.type == "cuda" else None
+    rows, not_run, t0 = [], [], time.perf_counter()
+    for i, (kernel, nk, n, M) in enumerate(cases):
+        if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
+            not_run = [case_key(k, m, x, y, args.dim, dtype) for k, x, y, m in cases[i:]]
+            print(f"budget: {args.budget_s:.0f} s spent; {len(not_run)} cases not run", flush=True)
+            break
+        try:
+            row = run_case(kernel, M, nk, n, args.dim, dtype, device, args.check, peak, args.eager, lanes)
+            if not row:
+                print(f"skipped {kernel} M={M} N=K={nk} n={n}: the split dimension is not divisible by n")
+                continue
+            if args.tune:
+                row["tuned"] = tune_case(kernel, M, nk, n, args.dim, dtype, device, row, args.check, args.smoke,
+                                         args.eager)
+                t = row["tuned"]
+                if t:
+                    print(f"  tuned {kernel} M={M} N=K={nk} n={n}: {t['ms']:.3f} ms with {t['config']} "
+                          f"vs the heuristic's {t['heuristic_ms']:.3f} ms ({t['candidates']} configs"
+                          + (f", check {t['check']}" if "check" in t else "") + ")", flush=True)
+            print(f"  {kernel} M={M} N=K={nk} n={n}: fused {row['fused_ms']:.3f} ms, unfused "
+                  f"{row['unfused_ms']:.3f} ms, torch.mm {row['torch.mm_ms']:.3f} ms ({row['timing']})"
+                  + (f", check {row['check']}" if args.check else ""), flush=True)
+        except Exception as e:  # noqa: BLE001 - one case failing (out of memory, say) fails its row, not the run
+            row = {**case_key(kernel, M, nk, n, args.dim, dtype),
+                   "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+            print(f"  {kernel} M={M} N=K={nk} n={n}: FAILED: {row['error']}", flush=True)
+        rows.append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if args.json:
+            write_results(args.json, {"machine": info, "args": vars(args), "rows": rows, "not_run": not_run})
+    if args.json:
+        write_results(args.json, {"machine": info, "args": vars(args), "rows": rows, "not_run": not_run})
     print_table(rows, args.check)
-    missed = [r for r in rows if r["targets"] and not (r["targets"]["speedup_met"] and r["targets"]["of_torch_mm_met"])]
-    print(f"\ntargets at M >= {TARGET_FROM_M}: {sum(1 for r in rows if r['targets']) - len(missed)} rows met both, "
+    done = measured(rows)
+    failed = [r for r in rows if "error" in r]
+    missed = [r for r in done if r["targets"] and not (r["targets"]["speedup_met"] and r["targets"]["of_torch_mm_met"])]
+    print(f"\ntargets at M >= {TARGET_FROM_M}: {sum(1 for r in done if r['targets']) - len(missed)} rows met both, "
           f"{len(missed)} missed one" + ("" if not missed else ": " + "; ".join(
               f"{r['kernel']} M={r['M']} N=K={r['N=K']} n={r['n']}" for r in missed)))
     print()
     print_thresholds(crossover(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows}, indent=1))
         print(f"wrote {args.json}")
-    if args.check and any(r["check"] != "ok" or r.get("tuned", {}).get("check", "ok") != "ok" for r in rows):
+    rc = 0
+    if failed:
+        print(f"FAILED: {len(failed)} cases raised: " + "; ".join(
+            f"{r['kernel']} M={r['M']} N=K={r['N=K']} n={r['n']}: {r['error']}" for r in failed), file=sys.stderr)
+        rc = 1
+    if args.check and any(r["check"] != "ok" or (r.get("tuned") or {}).get("check", "ok") != "ok" for r in done):
         print("MISMATCH: see the check column", file=sys.stderr)
-        return 1
-    return 0
+        rc = 1
+    return rc
+
+
+def write_results(path, doc: dict) -> None:
+    """--json, rewritten whole after every case: a temporary file renamed over it (never half-written)."""
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, out)
 
 
 if __name__ == "__main__":

@@ -133,12 +133,12 @@ if [ "$stage" = bench ] || [ "$stage" = all ]; then
   rm -rf "$OUT/bench"
 fi
 if [ "$stage" = fused ]; then
-  run_stage fused 540 python3 bench/bench_fused_kernels.py --kernel both --check --json "$OUT/fused.json" \
+  run_stage fused 540 python3 bench/bench_fused_kernels.py --kernel both --check --budget-s 420 --json "$OUT/fused.json" \
     "${extra[@]}" || rc=1
   python3 bench/bench_fused_kernels.py --threshold "$OUT/fused.json" >> "$OUT/fused.log" 2>&1 || rc=1
 fi
 if [ "$stage" = tune ]; then
-  run_stage tune 540 python3 bench/bench_fused_kernels.py --kernel both --tune --check --ms 1024,8192 \
+  run_stage tune 540 python3 bench/bench_fused_kernels.py --kernel both --tune --check --ms 1024,8192 --budget-s 420 \
     --json "$OUT/tune.json" "${extra[@]}" || rc=1
   python3 bench/bench_fused_kernels.py --write-tuned "$OUT/tuned_configs.json" "$OUT/tune.json" >> "$OUT/tune.log" 2>&1 || rc=1
 fi

@@ -96,3 +96,84 @@ def test_smoke_tune_then_table(tmp_path):
     r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--write-tuned", str(table), str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and json.loads(table.read_text())["format"] == 1, r.stderr
+
+
+def test_tolerances_allow_cublas_reduced_precision_split_k():
+    from bench.bench_fused_kernels import ACC, tolerance
+
+    u, cuda = 2.0 ** -8, torch.device("cuda")
+    assert tolerance("fused", "matmul_reduce_scatter", torch.bfloat16, cuda) == (2 * u, ACC)
+    assert tolerance("torch.mm", "all_gather_matmul", torch.bfloat16, cuda) == (2 * u, ACC + 2 * u)
+    assert tolerance("unfused", "all_gather_matmul", torch.bfloat16, cuda) == (2 * u, ACC + 2 * u)
+    assert tolerance("unfused", "matmul_reduce_scatter", torch.bfloat16, cuda) == (2 * u, ACC + 4 * u)
+    assert tolerance("torch.mm", "matmul_reduce_scatter", torch.float32, cuda) == (2 * 2.0 ** -24, ACC)
+
+
+def _smoke_with_failing_case(tmp_path, *extra):
+    """The smoke run with its M = 48 cases raising MemoryError (as an out-of-memory case would)."""
+    out = tmp_path / "fused.json"
+    code = ("import sys; sys.argv = ['bench_fused_kernels.py'] + sys.argv[1:]\n"
+            "import bench.bench_fused_kernels as b\n"
+            "real = b.run_case\n"
+            "def run_case(kernel, M, *a, **k):\n"
+            "    if M == 48:\n"
+            "        raise MemoryError('out of memory (simulated)')\n"
+            "    return real(kernel, M, *a, **k)\n"
+            "b.run_case = run_case\n"
+            "sys.exit(b.main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", code, "--smoke", "--kernel", "both", "--check", "--json", str(out), *extra],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return r, out
+
+
+def test_a_failing_case_is_a_row_the_run_goes_on_and_exits_1(tmp_path):
+    pytest.importorskip("triton")
+    r, out = _smoke_with_failing_case(tmp_path)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [(x["kernel"], x["M"]) for x in rows] == [("matmul_reduce_scatter", 16), ("matmul_reduce_scatter", 48),
+                                                     ("all_gather_matmul", 16), ("all_gather_matmul", 48)]
+    failed = [x for x in rows if "error" in x]
+    assert [x["M"] for x in failed] == [48, 48] and all("MemoryError" in x["error"] for x in failed)
+    assert all(x["check"] == "ok" and x["timing"] == "eager" for x in rows if "error" not in x)
+    assert "FAILED: 2 cases raised" in r.stderr and doc["not_run"] == []
+    assert not out.with_name(out.name + ".tmp").exists()
+
+
+def test_budget_stops_starting_cases_and_lists_them(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "fused.json"
+    r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--smoke", "--json", str(out), "--budget-s", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == [] and [c["M"] for c in doc["not_run"]] == [16, 48]
+    assert "budget: 0 s spent; 2 cases not run" in r.stdout
+
+
+def test_crossover_skips_failed_rows():
+    from bench.bench_fused_kernels import crossover
+
+    row = lambda M, fused, unfused: {"kernel": "matmul_reduce_scatter", "dim": 0, "dtype": "bfloat16", "N": 4096,  # noqa: E731
+                                     "K_total": 8192, "n": 2, "M": M, "fused_ms": fused, "unfused_ms": unfused,
+                                     "speedup": unfused / fused, "torch.mm_ms": fused, "rule_says_fused": M >= 1024}
+    rows = [row(16, 2.0, 1.0), row(1024, 1.0, 2.0), {"kernel": "matmul_reduce_scatter", "M": 8192, "error": "x"}]
+    (c,) = crossover(rows)
+    assert c["min_M"] == 1024 and set(c["speedup_by_M"]) == {16, 1024} and c["rule_agrees"]
+
+
+@pytest.mark.cuda
+def test_on_gpu_every_variant_is_timed_and_checked_as_a_graph_replay(tmp_path):
+    """The unfused members' matmuls on their own streams inside the captured graph; every variant's
+    replayed outputs checked against float32."""
+    out = tmp_path / "fused.json"
+    r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--kernel", "both", "--check", "--ms", "128",
+                        "--nk", "512", "--ns", "2,4", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4
+    for row in rows:
+        assert row["timing"] == "graph" and row["check"] == "ok", row
+        assert row["fused_ms"] > 0 and row["unfused_ms"] > 0 and row["torch.mm_ms"] > 0
