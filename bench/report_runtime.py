@@ -2,7 +2,7 @@
 each fastpipe path side by side with the unsplit Hugging Face model, in one run.
 
     python bench/report_runtime.py                                 # GPU: decode and prefill, batch 1, 8, 32
-    python bench/report_runtime.py --cases decode --budget-s 500   # what scripts/gpu_check.sh runtime runs
+    python bench/report_runtime.py --budget-s 480 --json r.json   # what scripts/gpu_check.sh runtime runs
     python bench/report_runtime.py --device cpu --quick            # CPU: a check that it runs
 
 Cases: a decode step (1 new token over --past cached tokens) and a prefill step (--prefill-len
@@ -12,6 +12,8 @@ go to one device (cuda:0, or the CPU).
 Variants on a GPU:
   fastpipe cuda, graph replay            the cuda processor (a stream per slot), compiled, the whole
                                          run captured as one CUDA graph and replayed
+  fastpipe cuda, compiled streams        the same compiled steps issued from Python, no graph (what
+                                         replay saves over launching them; shares the compiled code)
   fastpipe cuda, eager streams           the cuda processor, eager, no graph: the baseline of replay
   fastpipe region compiled               the whole-device path: every slot's steps as one graph,
                                          compiled (shard matmuls merged), no CUDA graph
@@ -22,13 +24,19 @@ On a CPU: the region processor compiled and eager, the cpu processor eager, the 
 and compiled.
 
 What is timed: a fastpipe row times `session.run(inputs)` on the pipeline's own inputs, already
-sliced per slot and on the device (as a server holds them); the unsplit rows time the HF model on
-input ids and a DynamicCache of the same past, on the device. Each call is followed by a device
-synchronize (the latency a caller sees when it needs the result). Every session compiles (and
-captures) before it is timed: Session.compile(); compile seconds get a column of their own. Every
-row's logits are checked against the unsplit eager model's, with a tolerance for the dtype
-(float32: 1e-4, bfloat16: 3e-2, float16: 5e-3, times the largest |logit|); a fastpipe mismatch or
-failure makes the exit status 1.
+sliced per slot and on the device (as a server holds them); a replayed run includes what a caller
+of run() gets: the inputs copied into the graph's buffers and the outputs cloned out of them. The
+unsplit rows time the HF model on input ids and a DynamicCache of the same past, on the device
+(building the cache is in the timed call). Each call is followed by a device synchronize (the
+latency a caller sees when it needs the result). Every session compiles (and captures) before it
+is timed: Session.compile(); compile seconds get a column of their own ("shared": it compiled
+nothing new, reusing a row above's compiled code; its own warm-up and capture seconds are in --json). A reduce-overhead row that inductor
+ran without CUDA graphs says so (torch reports that only in its log).
+
+Every row's logits are checked against the unsplit model run in float32 on the same inputs: a row
+passes when its largest error is at most 1e-4 x the largest |logit| plus twice the unsplit model's
+own error in the run's dtype (bf16 rounding alone puts the unsplit bf16 model ~3% of the largest
+logit from float32 at this size). A fastpipe mismatch or failure makes the exit status 1.
 
 Timing: after --warmup calls each, the variants of one case are timed in interleaved rounds (round
 r times every variant once); a sample is the mean of back-to-back calls lasting about --sample-ms;
@@ -37,12 +45,14 @@ the table gives the median and p10/p90 of --repeat samples.
 Targets (issue 16): at batch 1, graph replay >= 3x faster than eager streams; the best fastpipe path
 within 1.1x of the best unsplit compiled model (default or reduce-overhead). Each case's verdicts
 are printed under its table and written to --json (rewritten after every case, so a run stopped at a
-time limit keeps the cases it finished). --budget-s stops before a case when the run has used that
-many seconds, and says which cases it left.
+time limit keeps the cases it finished). Cases run batch by batch (decode 1, prefill 1, decode 8,
+...), so a cut-off run has the batch-1 targets first. --budget-s starts no case that would end past
+that many seconds, judged by the longest case so far, and says which cases it left.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -61,6 +71,7 @@ from bench.report_region import table as region_table  # noqa: E402
 
 CUDA_VARIANTS = [
     ("fastpipe cuda, graph replay", dict(processor="cuda", compile=True, cuda_graph=True)),
+    ("fastpipe cuda, compiled streams", dict(processor="cuda", compile=True, cuda_graph=False)),
     ("fastpipe cuda, eager streams", dict(processor="cuda", compile=False, cuda_graph=False)),
     ("fastpipe region compiled", dict(processor="region", compile=True, cuda_graph=False)),
     ("fastpipe region compiled + replay", dict(processor="region", compile=True, cuda_graph=True)),
@@ -71,8 +82,10 @@ CPU_VARIANTS = [
     ("fastpipe cpu processor eager", dict(processor="cpu")),
 ]
 REPLAY, STREAMS = "fastpipe cuda, graph replay", "fastpipe cuda, eager streams"
+COMPILED_STREAMS = "fastpipe cuda, compiled streams"
 UNSPLIT_COMPILED = ("unsplit compiled", "unsplit compiled, reduce-overhead")
-TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
+DTYPES = ("bfloat16", "float16", "float32")
+F32_TOLERANCE = 1e-4    # times the largest |logit|: float32 vs float32, summation orders apart
 DEFAULTS = {"cuda": dict(layers=4, hidden=1024, heads=16, kv_heads=8, vocab=32000, dtype="bfloat16"),
             "cpu": dict(layers=4, hidden=512, heads=8, kv_heads=4, vocab=8000, dtype="float32")}
 
@@ -86,11 +99,12 @@ def parse_args(argv):
     ap.add_argument("--prefill-len", type=int, default=128, help="tokens of the prefill step")
     for k in ("layers", "hidden", "heads", "kv_heads", "vocab"):
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, help="model size (default: per device, see DEFAULTS)")
-    ap.add_argument("--dtype", choices=sorted(TOLERANCE), help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--repeat", type=int, default=30, help="timed samples per variant")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per variant before timing")
     ap.add_argument("--sample-ms", type=float, default=5.0)
-    ap.add_argument("--budget-s", type=float, default=0.0, help="start no case after this many seconds (0: no limit)")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="start no case that would end past this many seconds, by the longest so far (0: no limit)")
     ap.add_argument("--json", help="write every case's rows and verdicts here")
     ap.add_argument("--quick", action="store_true", help="a tiny model, batch 1, few samples: a check that it runs")
     args = ap.parse_args(argv)
@@ -160,11 +174,19 @@ def hf_call(model, ids, past):
     return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
 
 
-def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path) -> list[Row]:
+def tolerance(ref, own_err: float) -> float:
+    """The largest error a row may have against the float32 reference `ref`: float32 summation
+    noise plus twice the unsplit model's own error in the run's dtype (0 in float32)."""
+    return F32_TOLERANCE * ref.abs().max().item() + 2 * own_err
+
+
+def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path, model32=None) -> list[Row]:
+    """One case's rows; model32: the unsplit model in float32 (the reference; None: model is float32)."""
     import torch
 
     import fastpipe
     from fastpipe.builder.hf.build import build_hf
+    from fastpipe.torch_compat import unique_graphs
     from fastpipe.format import read_pipeline
     from fastpipe.model_io import assemble_outputs, flatten_args, to_pipeline_inputs
 
@@ -185,8 +207,10 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path)
         return call
 
     with torch.inference_mode():
-        ref = hf_call(model, ids, past).float().cpu()
-    tol = TOLERANCE[args.dtype] * ref.abs().max().item()
+        ref = hf_call(model32 if model32 is not None else model, ids, [[t.float() for t in kv] for kv in past]
+                      if model32 is not None else past).float().cpu()
+        own = 0.0 if model32 is None else (hf_call(model, ids, past).float().cpu() - ref).abs().max().item()
+    tol = tolerance(ref, own)
 
     def check(logits) -> str:
         err = (logits.float().cpu() - ref).abs().max().item()
@@ -202,9 +226,11 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path)
         rows.append(row)
         try:
             sess = fastpipe.load(path, device_map={s: str(dev) for s in slots}, store=store, **kw)
+            before = unique_graphs()
             rep = sess.compile(inputs)
             if kw.get("compile"):
                 row.compile_s = rep.seconds
+                row.shared = unique_graphs() == before and bool(rows[:-1])    # every graph a row above's
                 if rep.eager:
                     row.notes.append(f"left eager by a failed compile: {', '.join(map(str, rep.eager))}")
             row.notes.append(sess.describe())
@@ -225,6 +251,8 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path)
 def unsplit_rows(args, model, ids, past, check, timed, dev) -> list[Row]:
     import torch
 
+    from fastpipe.torch_compat import cudagraph_skips, unique_graphs
+
     def inference(fn):
         def call():
             with torch.inference_mode():
@@ -241,7 +269,7 @@ def unsplit_rows(args, model, ids, past, check, timed, dev) -> list[Row]:
         try:
             cm = torch.compile(model, dynamic=False, **kw)
             fn = timed(inference(lambda cm=cm: hf_call(cm, ids, past)))
-            t = time.perf_counter()
+            t, skips, graphs = time.perf_counter(), cudagraph_skips(), unique_graphs()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 for _ in range(3):          # reduce-overhead records its graph at the 2nd-3rd call
@@ -249,6 +277,11 @@ def unsplit_rows(args, model, ids, past, check, timed, dev) -> list[Row]:
             row.compile_s = time.perf_counter() - t
             row.notes += sorted({" ".join(str(w.message).split())[:200] for w in caught
                                  if "cudagraph" in str(w.message).lower() or "recompil" in str(w.message).lower()})
+            if kw.get("mode") == "reduce-overhead" and cudagraph_skips() > skips:
+                row.notes.append("inductor ran it WITHOUT CUDA graphs (a cudagraph skip: see the torch._inductor "
+                                 "log, TORCH_LOGS=cudagraphs): this row is the default mode's")
+            if unique_graphs() - graphs > 1:
+                row.notes.append(f"torch.compile made {unique_graphs() - graphs} graphs (graph breaks or recompiles)")
             row.check = check(fn())
             row.fn = fn
         except Exception as e:  # noqa: BLE001
@@ -267,11 +300,13 @@ def verdicts(rows: list[Row], batch: int) -> dict:
     """The issue's targets for one case: replay vs eager streams (>= 3x at batch 1), and the best
     fastpipe row against the best unsplit compiled row (<= 1.1x)."""
     out: dict = {}
-    replay, streams = median(rows, REPLAY), median(rows, STREAMS)
+    replay, streams, compiled = median(rows, REPLAY), median(rows, STREAMS), median(rows, COMPILED_STREAMS)
     if replay and streams:
         out["replay_vs_eager_streams"] = streams / replay
         if batch == 1:
             out["replay_target_met"] = streams / replay >= 3.0
+    if replay and compiled:
+        out["replay_vs_compiled_streams"] = compiled / replay
     ok = [r for r in rows if r.samples and not r.check.startswith("MISMATCH")]
     ours = [r for r in ok if r.variant.startswith("fastpipe")]
     theirs = [r for r in ok if r.variant in UNSPLIT_COMPILED]
@@ -295,6 +330,9 @@ def verdict_lines(v: dict) -> list[str]:
         met = {True: " (target >= 3x at batch 1: met)", False: " (target >= 3x at batch 1: NOT met)"}
         out.append(f"graph replay vs eager streams: {v['replay_vs_eager_streams']:.2f}x faster"
                    + met.get(v.get("replay_target_met"), ""))
+    if "replay_vs_compiled_streams" in v:
+        out.append(f"graph replay vs the same compiled steps launched from Python: "
+                   f"{v['replay_vs_compiled_streams']:.2f}x faster")
     if "best_vs_unsplit_compiled" in v:
         out.append(f"best fastpipe ({v['best_fastpipe']}) / best unsplit compiled ({v['best_unsplit_compiled']}): "
                    f"{v['best_vs_unsplit_compiled']:.2f}x (target <= 1.1x: "
@@ -316,6 +354,18 @@ def write_json(path: str, doc: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(tmp, path)
+
+
+def case_order(steps: list[str], batches: list[int]) -> list[tuple[str, int]]:
+    """Batch by batch, each batch's steps in turn: a run cut short has the smallest batch's (batch 1:
+    the replay target's) cases first."""
+    return [(step, b) for b in sorted(batches) for step in steps]
+
+
+def over_budget(elapsed: float, longest: float, budget: float) -> bool:
+    """Whether the next case would end past the budget, if it took as long as the longest so far
+    (budget 0: no limit)."""
+    return bool(budget) and elapsed + longest > budget
 
 
 def main(argv=None) -> int:
@@ -340,20 +390,26 @@ def main(argv=None) -> int:
     print("\n".join(header), flush=True)
     doc = {"machine": info, "args": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
            "cases": [], "not_run": []}
-    todo = [(step, b) for step in args.case_list for b in args.batch_list]
+    todo = case_order(args.case_list, args.batch_list)
     failed = []
+    longest = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "llama"
-        model = make_checkpoint(args, folder).to(args.device)
+        model = make_checkpoint(args, folder)
+        model32 = None if args.dtype == "float32" else copy.deepcopy(model).float().to(args.device)
+        model = model.to(args.device)
         store = WeightStore()
         for i, (step, b) in enumerate(todo):
-            if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+            elapsed = time.perf_counter() - t_start
+            if over_budget(elapsed, longest, args.budget_s):
                 doc["not_run"] = [f"{s} batch {bb}" for s, bb in todo[i:]]
-                print(f"\n(budget of {args.budget_s:g} s used: not run: {', '.join(doc['not_run'])})")
+                print(f"\n(budget of {args.budget_s:g} s: {elapsed:.0f} s used and the longest case took "
+                      f"{longest:.0f} s; not run: {', '.join(doc['not_run'])})")
                 break
+            t_case = time.perf_counter()
             title = (f"decode step, batch {b}, 1 token over {args.past} cached" if step == "decode"
                      else f"prefill step, batch {b}, {args.prefill_len} tokens")
-            rows = run_case(args, step, b, folder, model, store, Path(tmp) / f"{step}{b}")
+            rows = run_case(args, step, b, folder, model, store, Path(tmp) / f"{step}{b}", model32)
             measure(rows, args.repeat, args.warmup, args.sample_ms)
             v = verdicts(rows, b)
             print(f"\n### {title}\n\n" + "\n".join(table(rows)))
@@ -380,6 +436,7 @@ def main(argv=None) -> int:
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+            longest = max(longest, time.perf_counter() - t_case)
     doc["failed"] = failed
     if args.json:
         write_json(args.json, doc)

@@ -37,7 +37,8 @@ or section is printed (traceback) and kept in the JSON with its error; the run g
 --sections: run only these (a GPU call has a time limit: e.g. --sections 1, then --sections 2,3,4).
 --json PATH: the arguments, bench.machine.machine_info() and every row of every section run (variant,
   tokens/s, ratio, tokens verdict, how it ran), rewritten atomically (tmp file + os.replace) after each
-  section: a run killed at its time limit keeps the sections it finished ("status": "running").
+  row of sections 1 and 2 and after each section: a run killed at its time limit keeps the rows it
+  measured ("status": "running"; an unfinished section has "partial": true).
 --no-compile: no compiled rows (transformers eager, engines eager only): a fast smoke run.
 --quick: a tiny model, few tokens and requests (tests/test_bench_report_serving.py runs --quick
   --no-compile --device cpu).
@@ -126,6 +127,11 @@ class Report:
     def add(self, key: str, section: dict) -> None:
         self.doc["sections"][key] = section
         self.write()
+
+    def partial(self, key: str, rows: list) -> None:
+        """A section's rows so far, written as they come ("partial": true until the section ends), so a
+        run killed at its time limit keeps the rows it measured."""
+        self.add(key, {"title": f"section {key} (unfinished)", "rows": list(rows), "partial": True})
 
     def write(self) -> None:
         if not self.path:
@@ -294,6 +300,7 @@ def main(argv=None) -> int:
                                      f"torch.compile mode {hf_mode_name}, fullgraph" if compiled else "eager")}})
                 except Exception as e:  # noqa: BLE001 - reported, the run goes on
                     rows.append(error_row(name, "transformers", e))
+                report.partial("1", rows)
             if ref is None:
                 ref = ref_tokens(prompt, n)
             variants = []                     # (label, folder, tp, compile, cuda_graph)
@@ -318,6 +325,7 @@ def main(argv=None) -> int:
                                  "seconds": t, "tokens_per_s": n / t, "tokens": verdict(toks, ref), "how": how})
                 except Exception as e:  # noqa: BLE001 - reported, the run goes on
                     rows.append(error_row(label, "engine", e))
+                report.partial("1", rows)
             ok = {r["key"]: r["seconds"] for r in rows if r.get("key") and not r.get("error")}
             base = next((k for k in (base, "transformers eager") if k in ok), base)   # compiled failed: vs eager
             t_base = ok.get(base)
@@ -361,6 +369,7 @@ def main(argv=None) -> int:
                                  "tokens_per_s": total / t, "tokens": check(outs), "how": how})
                 except Exception as e:  # noqa: BLE001 - reported, the run goes on
                     rows.append(error_row(label, "engine", e))
+                report.partial("2", rows)
             t_solo = rows[0].get("seconds")
             for r in rows:
                 r["ratio"] = t_solo / r["seconds"] if t_solo and r.get("seconds") else None

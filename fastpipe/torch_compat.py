@@ -37,6 +37,14 @@ def unique_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def cudagraph_skips() -> int:
+    """Times inductor has run a torch.compile(mode="reduce-overhead") graph without CUDA graphs in this
+    process (it says why only through the torch._inductor logger, not as a Python warning)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def profiler_enabled() -> bool:
     """A torch.profiler is recording (record_function costs ~6 us a call; the hot path labels only then)."""
     return torch.autograd._profiler_enabled()

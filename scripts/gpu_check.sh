@@ -18,7 +18,8 @@
 #                                        # fastpipe/kernels/tuned_configs.json where it beat the heuristic
 #   bash scripts/gpu_check.sh runtime    # issue 16, table 1: bench/report_runtime.py (decode and prefill, batch
 #                                        # 1/8/32: replay vs streams vs region vs the unsplit model) -> runtime.json;
-#                                        # it stops starting cases after 480 s: pass e.g. `--cases prefill` to go on
+#                                        # batch 1 first; it starts no case that would end past 480 s (by the
+#                                        # longest so far): pass e.g. `--batches 32` to go on
 #   bash scripts/gpu_check.sh serving --sections 1       # issue 16, table 2: bench/report_serving.py
 #   bash scripts/gpu_check.sh serving --sections 2,3,4   # (decode tokens/s vs HF generate; continuous
 #                                        # batching; memory per token; buckets' weights) -> serving.json

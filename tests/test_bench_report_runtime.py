@@ -14,17 +14,19 @@ def test_report_runtime_quick_cpu(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "runtime.json"
     r = subprocess.run([sys.executable, "bench/report_runtime.py", "--device", "cpu", "--quick", "--cases", "decode",
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "--dtype", "bfloat16", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert [c["title"] for c in doc["cases"]] == ["decode step, batch 1, 1 token over 16 cached"]
     rows = {row["variant"]: row for row in doc["cases"][0]["rows"]}
     assert set(rows) == {"fastpipe region compiled", "fastpipe region eager", "fastpipe cpu processor eager",
                          "unsplit eager", "unsplit compiled"}
-    for name, row in rows.items():
+    for name, row in rows.items():                 # bf16 rows against the unsplit model in float32
         assert row["error"] == "", (name, row["error"])
         assert row["check"].startswith("ok"), (name, row["check"])
+        assert 0 < float(row["check"].split("max err ")[1].split(",")[0]) < 0.1   # bf16 rounding, not exact
         assert row["median_ms"] > 0 and row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
+    assert rows["fastpipe region eager"]["compile_s"] is None
     assert rows["fastpipe region compiled"]["compile_s"] > 0
     v = doc["cases"][0]["verdicts"]
     assert v["best_unsplit_compiled"] == "unsplit compiled"
@@ -49,9 +51,31 @@ def test_verdicts_targets():
             _row("unsplit compiled, reduce-overhead", 0.85), _row("unsplit eager", 3.0)]
     v = verdicts(rows, batch=1)
     assert v["replay_vs_eager_streams"] == pytest.approx(2.5) and v["replay_target_met"] is False
+    assert "replay_vs_compiled_streams" not in v
+    rows.append(_row("fastpipe cuda, compiled streams", 1.5))
+    assert verdicts(rows, batch=1)["replay_vs_compiled_streams"] == pytest.approx(1.5)
+    rows.pop()
     assert v["best_fastpipe"] == "fastpipe region compiled + replay"
     assert v["best_unsplit_compiled"] == "unsplit compiled, reduce-overhead"
     assert v["best_vs_unsplit_compiled"] == pytest.approx(0.9 / 0.85) and v["unsplit_target_met"] is True
     assert "replay_target_met" not in verdicts(rows, batch=8)          # the replay target is set at batch 1
     rows[2] = _row("fastpipe region compiled + replay", 0.5, check="MISMATCH (max err 1)")   # wrong rows never win
     assert verdicts(rows, batch=1)["best_fastpipe"] == "fastpipe cuda, graph replay"
+
+
+def test_tolerance_is_float32_noise_plus_twice_the_unsplit_models_own_error():
+    import torch
+
+    from bench.report_runtime import tolerance
+
+    ref = torch.tensor([[-10.0, 4.0]])
+    assert tolerance(ref, 0.0) == pytest.approx(1e-3)                   # float32: summation noise only
+    assert tolerance(ref, 0.15) == pytest.approx(1e-3 + 0.3)             # bf16: the unsplit bf16 model's error
+
+
+def test_cases_run_batch_by_batch_and_stop_before_one_that_would_overrun():
+    from bench.report_runtime import case_order, over_budget
+
+    assert case_order(["decode", "prefill"], [8, 1]) == [("decode", 1), ("prefill", 1), ("decode", 8), ("prefill", 8)]
+    assert not over_budget(300.0, 150.0, 480.0) and over_budget(340.0, 150.0, 480.0)
+    assert not over_budget(1e6, 1e6, 0.0)                                # no budget

@@ -26,6 +26,7 @@ def test_report_serving_quick_cpu(tmp_path):
     assert doc["device"] == "cpu" and doc["dtype"] == "float32"
     assert doc["machine"]["torch"] and doc["machine"]["device"]
     assert sorted(doc["sections"]) == ["1", "2", "3", "4"]
+    assert not any(sec.get("partial") for sec in doc["sections"].values())     # every section finished
     engine_rows = [r for s in doc["sections"].values() for r in s["rows"] if r["kind"] == "engine"]
     assert len(engine_rows) == 2 + 2 + 1          # section 1: tp=2 and tp=1 eager; 2: solo and batched; 3
     for row in engine_rows:
@@ -48,3 +49,20 @@ def test_report_serving_sections(tmp_path):
     pytest.importorskip("transformers")
     doc, _ = _run(tmp_path, "--sections", "4")
     assert list(doc["sections"]) == ["4"] and doc["status"] == "done"
+
+
+def test_report_keeps_a_sections_rows_as_they_come(tmp_path):
+    from bench.report_serving import Report
+
+    path = tmp_path / "serving.json"
+    report = Report(str(path), {"status": "running"})
+    rows = [{"variant": "transformers generate, static cache, eager", "seconds": 1.0}]
+    report.partial("1", rows)
+    rows.append({"variant": "fastpipe engine", "error": "RuntimeError: x"})
+    report.partial("1", rows)
+    doc = json.loads(path.read_text())
+    assert doc["sections"]["1"]["partial"] is True and [r["variant"] for r in doc["sections"]["1"]["rows"]] == \
+        ["transformers generate, static cache, eager", "fastpipe engine"]
+    report.add("1", {"title": "greedy decode", "rows": rows})
+    assert "partial" not in json.loads(path.read_text())["sections"]["1"]
+    assert not path.with_name(path.name + ".tmp").exists()
