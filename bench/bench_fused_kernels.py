@@ -152,17 +152,19 @@ def bench(fn, device, quick: bool = False) -> tuple[float, float, float]:
 
 def capture(fn, device):
     """fn captured as one CUDA graph: (graph, the outputs its replays rewrite). fn runs once first on
-    a side stream (cuBLAS handles, Triton compiles, the allocator settles), as CUDA graphs need."""
+    a side stream (Triton compiles, the allocator settles), as CUDA graphs need; the capture is the
+    runtime's own (fastpipe.runtime.cuda_capture: a failed one leaves the stream and allocator as
+    they were, so the case can go on eagerly)."""
+    from fastpipe.runtime.cuda_capture import capture as capture_graph
+
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
+    device = torch.device(device)
+    return capture_graph(fn, device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
 
 
 def timed_forms(fns: dict, device, eager: bool) -> tuple[dict, str, list]:
