@@ -30,8 +30,9 @@ unfused members' matmuls forked onto their own streams inside it) and replayed, 
 pays host launch overhead the runtime does not (--eager: launched from Python on one stream
 instead; a case whose capture fails is timed eagerly, and its row's "timing" says why). Each
 time is triton.testing.do_bench's median (p20-p80 shown) after its warm-up, with L2 flushed
-between repetitions; the fused kernel's first call (Triton compile) is reported apart. TFLOP/s = 2*M*N*K_total / time, and its
-share of the GPU's dense bf16/fp16 peak (PEAK_TFLOPS_16BIT, by device name; --peak-tflops overrides).
+between repetitions; the fused kernel's first call (Triton compile) is reported apart.
+TFLOP/s = 2*M*N*K_total / time, and its share of the GPU's dense bf16/fp16 peak (PEAK_TFLOPS_16BIT,
+by device name; --peak-tflops overrides).
 The targets (issue 16), checked per row from M = 1024 on: fused >= 1.3x the unfused path, and fused
 TFLOP/s >= 70% of torch.mm's.
 The "rule" column is what ``fused_is_faster`` (the runtime's threshold) picks today.
@@ -220,7 +221,8 @@ def on_lanes(calls, lanes):
     inside a graph capture or before a synchronize: nothing is record_stream-ed."""
     if lanes is None:
         return [c() for c in calls]
-    cur = torch.cuda.current_stream()
+    lanes = lanes[:len(calls)]        # only the lanes forked: joining an unforked one would wait on an
+    cur = torch.cuda.current_stream()  # event outside the capture, which invalidates it
     outs = []
     for call, lane in zip(calls, lanes):
         lane.wait_stream(cur)
@@ -411,8 +413,8 @@ def tuned_table(paths, min_gain: float = 0.03) -> dict:
         device = doc["machine"]["device"]
         for r in doc["rows"]:
             t = r.get("tuned")
-            if not t or t.get("check", "ok") != "ok" or t["ms"] >= (1 - min_gain) * t["heuristic_ms"] \
-                    or t.get("timing", "graph") != r.get("timing", "graph"):
+            if not t or "error" in t or t.get("check", "ok") != "ok" or t["ms"] >= (1 - min_gain) * t["heuristic_ms"] \
+                    or (t.get("timing", "graph") == "graph") != (r.get("timing", "graph") == "graph"):
                 continue
             entries.append({"launcher": t["launcher"], "device": device, "dtype": r["dtype"], "M": t["M"],
                             "N": t["N"], "K": t["K"], "n": t["n"], "config": t["config"], "ms": t["ms"],
@@ -584,9 +586,13 @@ def main(argv=None) -> int:
                 print(f"skipped {kernel} M={M} N=K={nk} n={n}: the split dimension is not divisible by n")
                 continue
             if args.tune:
-                row["tuned"] = tune_case(kernel, M, nk, n, args.dim, dtype, device, row, args.check, args.smoke,
-                                         args.eager)
-                t = row["tuned"]
+                try:
+                    row["tuned"] = tune_case(kernel, M, nk, n, args.dim, dtype, device, row, args.check, args.smoke,
+                                             args.eager)
+                except Exception as e:  # noqa: BLE001 - the row's own timings stand; the tuning failed
+                    row["tuned"] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+                    print(f"  tuning {kernel} M={M} N=K={nk} n={n} FAILED: {row['tuned']['error']}", flush=True)
+                t = row["tuned"] if "error" not in row["tuned"] else {}
                 if t:
                     print(f"  tuned {kernel} M={M} N=K={nk} n={n}: {t['ms']:.3f} ms with {t['config']} "
                           f"vs the heuristic's {t['heuristic_ms']:.3f} ms ({t['candidates']} configs"
@@ -607,7 +613,7 @@ def main(argv=None) -> int:
         write_results(args.json, {"machine": info, "args": vars(args), "rows": rows, "not_run": not_run})
     print_table(rows, args.check)
     done = measured(rows)
-    failed = [r for r in rows if "error" in r]
+    failed = [r for r in rows if "error" in r or "error" in (r.get("tuned") or {})]
     missed = [r for r in done if r["targets"] and not (r["targets"]["speedup_met"] and r["targets"]["of_torch_mm_met"])]
     print(f"\ntargets at M >= {TARGET_FROM_M}: {sum(1 for r in done if r['targets']) - len(missed)} rows met both, "
           f"{len(missed)} missed one" + ("" if not missed else ": " + "; ".join(
@@ -619,7 +625,8 @@ def main(argv=None) -> int:
     rc = 0
     if failed:
         print(f"FAILED: {len(failed)} cases raised: " + "; ".join(
-            f"{r['kernel']} M={r['M']} N=K={r['N=K']} n={r['n']}: {r['error']}" for r in failed), file=sys.stderr)
+            f"{r['kernel']} M={r['M']} N=K={r['N=K']} n={r['n']}: {r.get('error') or 'tuning: ' + r['tuned']['error']}"
+            for r in failed), file=sys.stderr)
         rc = 1
     if args.check and any(r["check"] != "ok" or (r.get("tuned") or {}).get("check", "ok") != "ok" for r in done):
         print("MISMATCH: see the check column", file=sys.stderr)

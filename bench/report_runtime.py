@@ -341,7 +341,8 @@ def verdict_lines(v: dict) -> list[str]:
 
 
 def row_json(r: Row) -> dict:
-    d = {"variant": r.variant, "compile_s": r.compile_s, "recompile_s": r.recompile_s, "check": r.check,
+    d = {"variant": r.variant, "compile_s": r.compile_s, "compile_shared": r.shared, "recompile_s": r.recompile_s,
+         "check": r.check,
          "notes": r.notes, "error": r.error}
     if r.samples:
         d.update(median_ms=statistics.median(r.samples), p10_ms=pct(r.samples, 0.1), p90_ms=pct(r.samples, 0.9),

@@ -438,7 +438,8 @@ def main(argv=None) -> int:
                 sec = fn()
             except Exception as e:  # noqa: BLE001 - reported, the next section runs
                 traceback.print_exc()
-                sec = {"title": f"section {key}", "rows": [], "error": f"{type(e).__name__}: {e}"}
+                sec = {"title": f"section {key}", "error": f"{type(e).__name__}: {e}",
+                       "rows": report.doc["sections"].get(key, {}).get("rows", [])}   # the rows it had measured
             sec["seconds"] = round(time.perf_counter() - t, 1)
             if sec.get("error") or any(r.get("error") for r in sec["rows"]):
                 failed.append(key)

@@ -71,12 +71,16 @@ def test_tuned_table_keeps_checked_gains_only(tmp_path):
     cfg = {"block_m": 64, "block_n": 128, "block_k": 64, "group_m": 8, "num_warps": 4, "num_stages": 4}
     tuned = lambda M, ms, **kw: {"launcher": "mm_sum", "M": M, "N": 4096, "K": 4096, "n": 2, "config": cfg,  # noqa: E731
                                  "ms": ms, "heuristic_ms": 1.0, "candidates": 20, **kw}
+    failed_capture = "eager: capture of unfused failed: RuntimeError: x"
     rows = [{"dtype": "bfloat16", "tuned": tuned(16, 0.8)}, {"dtype": "bfloat16", "tuned": tuned(128, 0.99)},
-            {"dtype": "bfloat16", "tuned": tuned(1024, 0.5, check="MISMATCH")}, {"dtype": "bfloat16"}]
+            {"dtype": "bfloat16", "tuned": tuned(1024, 0.5, check="MISMATCH")}, {"dtype": "bfloat16"},
+            {"dtype": "bfloat16", "tuned": {"error": "OutOfMemoryError: x"}},
+            {"dtype": "bfloat16", "timing": failed_capture, "tuned": tuned(32, 0.5, timing="eager")},   # both eager
+            {"dtype": "bfloat16", "timing": "graph", "tuned": tuned(64, 0.5, timing="eager")}]         # apples/oranges
     res = tmp_path / "tune.json"
     res.write_text(json.dumps({"machine": {"device": "NVIDIA H100 80GB HBM3"}, "rows": rows}))
     table = tuned_table([res])
-    assert [e["M"] for e in table["entries"]] == [16]          # 1% is no gain; a mismatch is never kept
+    assert [e["M"] for e in table["entries"]] == [16, 32]      # 1% is no gain; a mismatch is never kept
     assert table["entries"][0]["device"] == "NVIDIA H100 80GB HBM3"
     parsed = parse_table(table, "t")
     assert list(parsed) == [("mm_sum", "NVIDIA H100 80GB HBM3", "bfloat16", 4096, 4096, 2)]
@@ -177,3 +181,48 @@ def test_on_gpu_every_variant_is_timed_and_checked_as_a_graph_replay(tmp_path):
     for row in rows:
         assert row["timing"] == "graph" and row["check"] == "ok", row
         assert row["fused_ms"] > 0 and row["unfused_ms"] > 0 and row["torch.mm_ms"] > 0
+
+
+def test_lanes_fork_and_join_only_the_members_own(monkeypatch):
+    """n members on n of the lanes: a lane not forked from the capture stream must not be joined
+    (its event would lie outside the capture and invalidate it)."""
+    import contextlib
+
+    import bench.bench_fused_kernels as b
+
+    log = []
+
+    class Lane:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append((self.name, "waits", other.name))
+
+    cur = Lane("capture")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: cur)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    lanes = [Lane(f"lane{i}") for i in range(4)]
+    assert b.on_lanes([lambda: 1, lambda: 2], lanes) == [1, 2]
+    assert log == [("lane0", "waits", "capture"), ("lane1", "waits", "capture"),
+                   ("capture", "waits", "lane0"), ("capture", "waits", "lane1")]
+    assert b.on_lanes([lambda: 3], None) == [3]
+
+
+def test_a_failing_tuning_keeps_its_rows_timings(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "tune.json"
+    code = ("import sys; sys.argv = ['bench_fused_kernels.py'] + sys.argv[1:]\n"
+            "import bench.bench_fused_kernels as b\n"
+            "def tune_case(*a, **k):\n"
+            "    raise MemoryError('out of memory (simulated)')\n"
+            "b.tune_case = tune_case\n"
+            "sys.exit(b.main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", code, "--smoke", "--tune", "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert "error" not in row and row["fused_ms"] > 0 and "MemoryError" in row["tuned"]["error"]
+    assert "tuning: MemoryError" in r.stderr

@@ -27,7 +27,7 @@ def test_report_runtime_quick_cpu(tmp_path):
         assert 0 < float(row["check"].split("max err ")[1].split(",")[0]) < 0.1   # bf16 rounding, not exact
         assert row["median_ms"] > 0 and row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
     assert rows["fastpipe region eager"]["compile_s"] is None
-    assert rows["fastpipe region compiled"]["compile_s"] > 0
+    assert rows["fastpipe region compiled"]["compile_s"] > 0 and rows["fastpipe region compiled"]["compile_shared"] is False
     v = doc["cases"][0]["verdicts"]
     assert v["best_unsplit_compiled"] == "unsplit compiled"
     best = min((r for n, r in rows.items() if n.startswith("fastpipe")), key=lambda r: r["median_ms"])
