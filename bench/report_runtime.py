@@ -30,8 +30,9 @@ unsplit rows time the HF model on input ids and a DynamicCache of the same past,
 (building the cache is in the timed call). Each call is followed by a device synchronize (the
 latency a caller sees when it needs the result). Every session compiles (and captures) before it
 is timed: Session.compile(); compile seconds get a column of their own ("shared": it compiled
-nothing new, reusing a row above's compiled code; its own warm-up and capture seconds are in --json). A reduce-overhead row that inductor
-ran without CUDA graphs says so (torch reports that only in its log).
+nothing new, reusing a row above's compiled code; its own warm-up and capture seconds are in
+--json). A reduce-overhead row that inductor ran without CUDA graphs says so (torch reports that
+only in its log).
 
 Every row's logits are checked against the unsplit model run in float32 on the same inputs: a row
 passes when its largest error is at most 1e-4 x the largest |logit| plus twice the unsplit model's
@@ -207,9 +208,11 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
         return call
 
     with torch.inference_mode():
-        ref = hf_call(model32 if model32 is not None else model, ids, [[t.float() for t in kv] for kv in past]
-                      if model32 is not None else past).float().cpu()
-        own = 0.0 if model32 is None else (hf_call(model, ids, past).float().cpu() - ref).abs().max().item()
+        if model32 is None:
+            ref, own = hf_call(model, ids, past).float().cpu(), 0.0
+        else:                              # the same (already rounded) weights and past, in float32
+            ref = hf_call(model32, ids, [[t.float() for t in kv] for kv in past]).float().cpu()
+            own = (hf_call(model, ids, past).float().cpu() - ref).abs().max().item()
     tol = tolerance(ref, own)
 
     def check(logits) -> str:
@@ -230,7 +233,7 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
             rep = sess.compile(inputs)
             if kw.get("compile"):
                 row.compile_s = rep.seconds
-                row.shared = unique_graphs() == before and bool(rows[:-1])    # every graph a row above's
+                row.shared = unique_graphs() == before and bool(rows[:-1]) and not rep.eager   # a row above's
                 if rep.eager:
                     row.notes.append(f"left eager by a failed compile: {', '.join(map(str, rep.eager))}")
             row.notes.append(sess.describe())
