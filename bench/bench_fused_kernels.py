@@ -60,6 +60,7 @@ except --smoke (tiny sizes, TRITON_INTERPRET=1 on CPU, timings meaningless).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -77,6 +78,7 @@ import torch  # noqa: E402
 
 from bench.machine import machine_info  # noqa: E402
 from fastpipe import comm  # noqa: E402
+from fastpipe.atomic import write_text  # noqa: E402
 from fastpipe.kernels import KernelConfig, all_gather_matmul, fused_is_faster, matmul_reduce_scatter  # noqa: E402
 from tests.tensor_compare import error_ratio  # noqa: E402
 
@@ -168,25 +170,29 @@ def capture(fn, device):
     return capture_graph(fn, device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
 
 
-def timed_forms(fns: dict, device, eager: bool) -> tuple[dict, str, list]:
-    """({variant: a call that runs it and returns its outputs}, how it is timed, graphs to reset):
-    on a GPU, graph replays unless eager; a failed capture times the whole case eagerly (saying why)."""
-    if device.type != "cuda" or eager:
-        return fns, "eager", []
-    graphs, forms = [], {}
+@contextlib.contextmanager
+def timed_forms(fns: dict, device, eager: bool):
+    """Yields ({variant: a call that runs it and returns its outputs}, how it is timed): on a GPU,
+    graph replays unless eager; a failed capture times the whole case eagerly (saying why). The
+    graphs are released on leaving."""
+    graphs, forms, timing = [], {}, "graph"
     try:
-        for v, fn in fns.items():
-            g, out = capture(fn, device)
-            graphs.append(g)
-            forms[v] = lambda g=g, out=out: (g.replay(), out)[1]
-    except Exception as e:  # noqa: BLE001 - said in the row and printed, never silent
+        if device.type != "cuda" or eager:
+            forms, timing = fns, "eager"
+        else:
+            try:
+                for v, fn in fns.items():
+                    g, out = capture(fn, device)
+                    graphs.append(g)
+                    forms[v] = lambda g=g, out=out: (g.replay(), out)[1]
+            except Exception as e:  # noqa: BLE001 - said in the row and printed, never silent
+                torch.cuda.synchronize(device)
+                forms, timing = fns, f"eager: capture of {v} failed: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+                print(f"  {timing}", flush=True)
+        yield forms, timing
+    finally:
         for g in graphs:
             g.reset()
-        torch.cuda.synchronize(device)
-        why = f"eager: capture of {v} failed: {type(e).__name__}: {' '.join(str(e).split())[:160]}"
-        print(f"  {why}", flush=True)
-        return fns, why, []
-    return forms, "graph", graphs
 
 
 def first_call_ms(fn, device) -> float:
@@ -307,8 +313,7 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | No
     a, b, fns, split, k_total, N = made
     row = {**case_key(kernel, M, NK, n, dim, dtype), "N": N, "K_total": k_total}
     row["first_call_ms"] = first_call_ms(fns["fused"], device)
-    forms, row["timing"], graphs = timed_forms(fns, device, eager)
-    try:
+    with timed_forms(fns, device, eager) as (forms, row["timing"]):
         if check:
             refs, mags = reference_f32(kernel, a, b, dim)
             worst = {}
@@ -326,9 +331,6 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | No
             row[f"{name}_ms"], row[f"{name}_p20"], row[f"{name}_p80"] = med, p20, p80
             row[f"{name}_tflops"] = flops / (med * 1e-3) / 1e12
             row[f"{name}_of_peak"] = row[f"{name}_tflops"] / peak if peak else None
-    finally:
-        for g in graphs:
-            g.reset()
     row["peak_tflops"] = peak
     row["speedup"] = row["unfused_ms"] / row["fused_ms"]
     row["rule_says_fused"] = fused_is_faster(M, N, k_total, n, dtype)
@@ -389,8 +391,7 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
     if not timed:
         return {}
     best_ms, best = min(timed, key=lambda t: t[0])
-    forms, timing, graphs = timed_forms({"fused": lambda: fused(best)}, device, eager or row["timing"] != "graph")
-    try:
+    with timed_forms({"fused": lambda: fused(best)}, device, eager or row["timing"] != "graph") as (forms, timing):
         best_ms = bench(forms["fused"], device)[0]           # the winner, timed like the row's fused kernel
         out = {"launcher": launcher, "M": lm, "N": ln, "K": lk, "n": n, "config": dataclasses.asdict(best),
                "ms": best_ms, "heuristic_ms": row["fused_ms"], "candidates": len(timed), "timing": timing}
@@ -398,9 +399,6 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
             refs, mags = reference_f32(kernel, a, b, dim)
             out["check"] = "ok" if check_variant(kernel, "fused", forms["fused"](), refs, mags, dtype, device) <= 1.0 \
                 else "MISMATCH"
-    finally:
-        for g in graphs:
-            g.reset()
     return out
 
 
@@ -536,9 +534,7 @@ def main(argv=None) -> int:
             ap.error("--write-tuned: expected TABLE_JSON and at least one RESULTS_JSON")
         table = tuned_table(args.write_tuned[1:])
         out = Path(args.write_tuned[0])
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, out)
+        write_text(out, json.dumps(table, indent=1))
         print(f"wrote {out}: {len(table['entries'])} tuned configs (rows whose best config beat the heuristic's "
               "by more than 3%); ship it as fastpipe/kernels/tuned_configs.json or point FASTPIPE_TUNED_CONFIGS at it")
         return 0
@@ -635,11 +631,8 @@ def main(argv=None) -> int:
 
 
 def write_results(path, doc: dict) -> None:
-    """--json, rewritten whole after every case: a temporary file renamed over it (never half-written)."""
-    out = Path(path)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, out)
+    """--json, rewritten whole after every case, atomically (never half-written)."""
+    write_text(path, json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

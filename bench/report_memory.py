@@ -117,10 +117,9 @@ def print_table(title: str, header: tuple, rows: list[tuple]) -> None:
 
 
 def write_json(path: str, doc: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    os.replace(tmp, path)
+    from fastpipe.atomic import write_text
+
+    write_text(path, json.dumps(doc, indent=1, default=str))
 
 
 def fs_type(path: Path) -> str:

@@ -354,10 +354,9 @@ def row_json(r: Row) -> dict:
 
 
 def write_json(path: str, doc: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+    from fastpipe.atomic import write_text
+
+    write_text(path, json.dumps(doc, indent=1))
 
 
 def case_order(steps: list[str], batches: list[int]) -> list[tuple[str, int]]:

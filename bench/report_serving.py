@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -117,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Report:
-    """The JSON document: rewritten (tmp file + os.replace) whenever a section is added."""
+    """The JSON document: rewritten atomically (fastpipe.atomic) whenever a section or row is added."""
 
     def __init__(self, path: str | None, doc: dict):
         self.path, self.doc = path, doc
@@ -136,11 +135,11 @@ class Report:
     def write(self) -> None:
         if not self.path:
             return
+        from fastpipe.atomic import write_text
+
         path = Path(self.path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.doc, indent=1, default=str) + "\n")
-        os.replace(tmp, path)
+        write_text(path, json.dumps(self.doc, indent=1, default=str) + "\n")
 
 
 class Bench:
