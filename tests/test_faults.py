@@ -83,8 +83,17 @@ def test_out_of_memory_is_reported_with_its_step(tmp_path, processor):
     assert sess.run({"x0": torch.ones(4)})[out].tolist() == [5.0] * 4
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt here, as in a terminal, also where the suite was started with SIGINT
+    ignored (a shell's background job: Python then installs no handler, and a real Ctrl-C does nothing)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.parametrize("processor", ["reference", "cpu"])
-def test_ctrl_c_stops_every_slot(tmp_path, processor):
+def test_ctrl_c_stops_every_slot(tmp_path, processor, ctrl_c_raises):
     path, out = chain(tmp_path, n=40)
     sess = fastpipe.load(path, processor=processor)
     before = threading.active_count()
@@ -104,7 +113,9 @@ def test_cli_ctrl_c_exits_130_without_traceback_or_output(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"x0": torch.full((4,), 100.0)}, str(tmp_path / "in.safetensors"))
-    code = ("import sys, torch; sys.path.insert(0, %r); import tests.test_faults; "
+    # SIGINT's default action restored first: the child of a suite started with SIGINT ignored inherits that
+    code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "import sys, torch; sys.path.insert(0, %r); import tests.test_faults; "
             "from fastpipe.payload import allow_namespace; allow_namespace('fastpipe_faults'); "
             "from fastpipe.cli import main; sys.exit(main(sys.argv[1:]))") % str(ROOT)
     proc = subprocess.Popen([sys.executable, "-c", code, "run", str(path), "--inputs", str(tmp_path / "in.safetensors"),
