@@ -43,7 +43,8 @@ below): a mismatch exits 1.
 
 Results are written to --json after every case (atomically), so a run cut off keeps what it
 measured; a case that raises (out of memory, a launch error) becomes a row with its "error" and
-the run goes on (exit 1 at the end); --budget-s stops starting cases after that many seconds
+the run goes on (exit 1 at the end). Cases go shape by shape (N = K, then n), both kernels and every
+M at each, so a run cut short still has whole crossovers; --budget-s stops starting cases after that many seconds
 (the rows not run are listed as "not_run").
 
 --tune times the fused kernel under each of tune_candidates' launch configs (short do_bench runs),
@@ -502,6 +503,12 @@ def read_rows(paths) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------- main
+def case_order(kernels, nks, ns, ms) -> list[tuple[str, int, int, int]]:
+    """(kernel, N=K, n, M) shape by shape, each kernel over every M at a shape: a run cut short by
+    --budget-s has whole crossovers (where fused starts to win) for both kernels at the shapes it reached."""
+    return [(kernel, nk, n, M) for nk in nks for n in ns for kernel in kernels for M in ms]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernel", choices=[*KERNELS, "both"], default="matmul_reduce_scatter")
@@ -568,7 +575,7 @@ def main(argv=None) -> int:
         print(f"no {args.dtype} peak known for {info['device']}: the % peak columns are empty (--peak-tflops sets it)")
     print(f"{', '.join(kernels)}, dtype {args.dtype}, dim {args.dim}, all participants on {device}"
           + (" (SMOKE RUN: interpreter, timings meaningless)" if args.smoke else ""))
-    cases = [(kernel, nk, n, M) for kernel in kernels for nk in nks for n in ns for M in ms]
+    cases = case_order(kernels, nks, ns, ms)
     lanes = [torch.cuda.Stream(device) for _ in range(max(ns))] if device.type == "cuda" else None
     rows, not_run, t0 = [], [], time.perf_counter()
     for i, (kernel, nk, n, M) in enumerate(cases):

@@ -2,7 +2,7 @@
 each fastpipe path side by side with the unsplit Hugging Face model, in one run.
 
     python bench/report_runtime.py                                 # GPU: decode and prefill, batch 1, 8, 32
-    python bench/report_runtime.py --budget-s 480 --json r.json   # what scripts/gpu_check.sh runtime runs
+    python bench/report_runtime.py --budget-s 300 --json r.json   # about what scripts/gpu_check.sh runtime runs
     python bench/report_runtime.py --device cpu --quick            # CPU: a check that it runs
 
 Cases: a decode step (1 new token over --past cached tokens) and a prefill step (--prefill-len

@@ -156,6 +156,15 @@ def test_budget_stops_starting_cases_and_lists_them(tmp_path):
     assert "budget: 0 s spent; 2 cases not run" in r.stdout
 
 
+def test_cases_go_shape_by_shape():
+    from bench.bench_fused_kernels import case_order
+
+    cases = case_order(("mrs", "agm"), (4096, 8192), (2, 4), (16, 1024))
+    assert len(cases) == 16 and len(set(cases)) == 16
+    assert cases[:4] == [("mrs", 4096, 2, 16), ("mrs", 4096, 2, 1024), ("agm", 4096, 2, 16), ("agm", 4096, 2, 1024)]
+    assert [(nk, n) for _, nk, n, _ in cases[::4]] == [(4096, 2), (4096, 4), (8192, 2), (8192, 4)]
+
+
 def test_crossover_skips_failed_rows():
     from bench.bench_fused_kernels import crossover
 

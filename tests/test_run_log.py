@@ -1,0 +1,226 @@
+"""The device-run tooling, on CPU: tests/run_log.py (the pytest plugin writing a JSON line per result,
+--cuda-first), scripts/results_summary.py (what a device session reads), and scripts/gpu_check.sh's
+`tests` stage end to end, with its SIGINT at the call's limit. Each pytest run here is a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.examples import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import results_summary  # noqa: E402
+
+SYNTHETIC = '''
+import time
+import pytest
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("fixture broke")
+
+@pytest.fixture
+def bad_teardown():
+    yield
+    raise RuntimeError("teardown broke")
+
+def test_pass():
+    pass
+
+def test_fail():
+    assert 1 + 1 == 3, "arithmetic is off"
+
+@pytest.mark.cuda
+def test_gpu_pass():
+    pass
+
+@pytest.mark.cuda
+def test_gpu_skipped():
+    pytest.skip("needs a CUDA GPU (as conftest says)")
+
+def test_setup_error(broken):
+    pass
+
+def test_teardown_error(bad_teardown):
+    pass
+
+@pytest.mark.xfail(reason="known")
+def test_xfail():
+    assert False
+
+@pytest.mark.parametrize("p", ["cuda", "cpu"])
+def test_param_named_cuda(p):
+    pass
+'''
+
+
+def _pytest(cwd, *args, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.run_log", "-p", "no:cacheprovider", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=180, **kw)
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def synthetic(tmp_path):
+    (tmp_path / "test_synthetic.py").write_text(SYNTHETIC)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: needs a GPU\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_a_line_per_result_and_the_summary(synthetic, workers):
+    out = synthetic / "r.jsonl"
+    proc = _pytest(synthetic, "--results-jsonl", str(out), *workers)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    recs = _lines(out)
+    assert recs[0]["event"] == "start" and recs[-1]["event"] == "finished" and recs[-1]["exitstatus"] == 1
+    assert {r["n"] for r in recs if r.get("event") == "collected"} == {9}
+    res = {(r["nodeid"].split("::")[1], r["when"]): r for r in recs if "nodeid" in r}
+    assert {k: r["outcome"] for k, r in res.items()} == {
+        ("test_pass", "call"): "passed", ("test_fail", "call"): "failed", ("test_gpu_pass", "call"): "passed",
+        ("test_gpu_skipped", "call"): "skipped", ("test_setup_error", "setup"): "error",
+        ("test_teardown_error", "call"): "passed", ("test_teardown_error", "teardown"): "error",
+        ("test_xfail", "call"): "xfailed", ("test_param_named_cuda[cuda]", "call"): "passed",
+        ("test_param_named_cuda[cpu]", "call"): "passed"}
+    # the marker, not a keyword: a parameter named "cuda" is no cuda test
+    assert sorted(k[0] for k, r in res.items() if r["cuda"]) == ["test_gpu_pass", "test_gpu_skipped"]
+    assert res[("test_fail", "call")]["message"] == "AssertionError: arithmetic is off assert (1 + 1) == 3"
+    assert res[("test_setup_error", "setup")]["message"] == "RuntimeError: fixture broke"
+    assert res[("test_gpu_skipped", "call")]["message"] == "Skipped: needs a CUDA GPU (as conftest says)"
+
+    lines, green = results_summary.summarise(str(out), slowest=3)
+    text = "\n".join(lines)
+    assert not green
+    assert lines[0].startswith("run finished in ") and lines[0].endswith("exit status 1")
+    assert lines[1] == "all:  5 passed, 1 failed, 2 error, 1 skipped, 1 xfailed"
+    assert lines[2] == "cuda: 1 passed, 0 failed, 1 skipped"
+    assert "test_synthetic.py::test_fail (call, " in text and "failed: AssertionError: arithmetic is off" in text
+    assert "test_synthetic.py::test_teardown_error (teardown, " in text
+    assert "  1 x Skipped: needs a CUDA GPU (as conftest says)" in text
+    assert lines[-1] == ("rerun: bash scripts/gpu_check.sh tests 'test_synthetic.py::test_fail' "
+                         "'test_synthetic.py::test_setup_error' 'test_synthetic.py::test_teardown_error'")
+    _, green_gpu = results_summary.summarise(str(out), expect_cuda=True)
+    assert not green_gpu
+
+
+def test_summary_green_only_for_a_whole_gpu_run(tmp_path):
+    path = tmp_path / "r.jsonl"
+
+    def write(*recs, torn=False):
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs) + ('{"nodeid": "t::x", "outc' if torn else ""))
+        return results_summary.summarise(str(path), slowest=0, expect_cuda=True)
+
+    start, done = {"event": "start"}, {"event": "finished", "exitstatus": 0, "duration": 1.0}
+
+    def res(name, outcome, cuda, message=""):
+        return {"nodeid": f"t.py::{name}", "outcome": outcome, "cuda": cuda, "duration": 0.1, "when": "call",
+                "message": message}
+    gpu, cpu = res("g", "passed", True), res("c", "passed", False)
+    lines, green = write(start, {"event": "collected", "n": 2}, gpu, cpu, done)
+    assert green and lines[1:3] == ["all:  2 passed, 0 failed", "cuda: 1 passed, 0 failed"]
+    assert write(start, {"event": "collected", "n": 1}, cpu, done)[1]          # no cuda test asked for: fine
+    # cut off: no finished line, a torn last line, tests without a result
+    lines, green = write(start, {"event": "collected", "n": 3}, gpu, cpu, torn=True)
+    assert not green and lines[0] == "run CUT OFF (no 'finished' line); NO RESULT for 1 of 3 collected tests"
+    # finished with status 0 yet tests missing (xdist interrupted)
+    lines, green = write(start, {"event": "collected", "n": 3}, gpu, cpu, done)
+    assert not green and lines[0].endswith("NO RESULT for 1 of 3 collected tests")
+    # cuda tests skipped for want of a GPU: not a GPU run
+    skipped = res("g", "skipped", True, "Skipped: needs a CUDA GPU (x)")
+    lines, green = write(start, {"event": "collected", "n": 2}, skipped, cpu, done)
+    assert not green and lines[-1] == "NOT A GPU RUN: 1 cuda-marked tests skipped for want of a GPU, 0 passed"
+    assert results_summary.main([str(tmp_path / "absent.jsonl")]) == 2
+
+
+def test_cuda_first_orders_files_not_tests():
+    node = ["tests/test_cli.py::test_console_script_installed", "tests/test_weights_gpu.py", "tests/test_layering.py"]
+    plain = _pytest(ROOT, "--collect-only", "-q", *node)
+    first = _pytest(ROOT, "--collect-only", "-q", "--cuda-first", *node)
+    assert plain.returncode == first.returncode == 0, plain.stdout + first.stdout
+    ids = [line for line in first.stdout.splitlines() if "::" in line]
+    before = [line for line in plain.stdout.splitlines() if "::" in line]
+    assert sorted(ids) == sorted(before) and len(ids) > 4
+    files = [i.split("::")[0] for i in ids]
+    assert files[0] == "tests/test_weights_gpu.py" and before[0].startswith("tests/test_cli.py")
+    n_gpu = files.count("tests/test_weights_gpu.py")
+    assert set(files[:n_gpu]) == {"tests/test_weights_gpu.py"}
+    assert ids[n_gpu:] == [i for i in before if not i.startswith("tests/test_weights_gpu.py")]   # the rest as before
+
+
+def test_sigint_at_the_limit_keeps_the_results(tmp_path):
+    """What gpu_check's `timeout -s INT` does at the call's limit: the results so far are on disk."""
+    (tmp_path / "test_slow.py").write_text(textwrap.dedent('''
+        import time
+        def test_quick():
+            pass
+        def test_slow():
+            time.sleep(60)
+        def test_never():
+            pass
+    '''))
+    out = tmp_path / "r.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code = ("import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "sys.exit(pytest.main(sys.argv[1:]))")         # Ctrl-C raises also where the suite runs with it ignored
+    proc = subprocess.Popen([sys.executable, "-c", code, "-p", "tests.run_log", "-p", "no:cacheprovider",
+                             "--results-jsonl", str(out), "-q"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    t0 = time.monotonic()
+    while '"test_slow.py::test_quick"' not in (out.read_text() if out.exists() else ""):
+        assert time.monotonic() - t0 < 60 and proc.poll() is None
+        time.sleep(0.1)
+    time.sleep(0.5)                                       # inside test_slow's sleep
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    recs = _lines(out)
+    assert [r["nodeid"] for r in recs if "nodeid" in r] == ["test_slow.py::test_quick"]
+    assert recs[-1]["event"] == "finished" and recs[-1]["exitstatus"] == 2       # pytest: interrupted
+    lines, green = results_summary.summarise(str(out), slowest=0)
+    assert not green and lines[0].endswith("NO RESULT for 2 of 3 collected tests")
+
+
+@pytest.mark.parametrize("limit_hit", [False, True], ids=["whole", "cut-at-the-limit"])
+def test_gpu_check_tests_stage_on_cpu(tmp_path, limit_hit):
+    """The stage a device session runs first, here without a GPU (and without the install): one pytest with
+    this plugin, its summary in summary.txt and on stdout; red, since the cuda tests could not run. At the
+    call's limit (GPU_CHECK_CALL_S; 30 s at least) pytest is interrupted and what it had is summarised."""
+    args = ["tests/test_processors.py::test_processor_options_refused", "tests/test_weights_gpu.py"]
+    env = dict(os.environ, OUT=str(tmp_path), GPU_CHECK_NO_INSTALL="1")
+    if limit_hit:
+        env["GPU_CHECK_CALL_S"] = "45"                      # 30 s for pytest: test_build_hf takes 2 min on CPU
+        args = ["tests/test_build_hf.py", *args]
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "tests", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("CUDA unavailable on this machine")
+    assert "NOT A GPU RUN: 3 cuda-marked tests skipped for want of a GPU, 0 passed" in summary + proc.stdout
+    recs = _lines(tmp_path / "results.jsonl")
+    assert recs[0]["event"] == "start" and "--cuda-first" in recs[0]["argv"]
+    ran = {r["nodeid"] for r in recs if "nodeid" in r}
+    if limit_hit:
+        assert "tests: rc=124 in " in summary and "NO RESULT for " in summary
+        assert set(ran) >= {"tests/test_weights_gpu.py::test_buckets_hold_one_copy_of_the_weights"}   # cuda first
+    else:
+        assert "tests: rc=0 in " in summary and "all:  1 passed, 0 failed, 3 skipped" in summary
+        assert "tests/test_processors.py::test_processor_options_refused" in ran and len(ran) == 4
+    assert (tmp_path / "machine.txt").read_text().count("torch ") == 1
+
+
+def test_gpu_check_refuses_an_unknown_stage(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "everything"], cwd=ROOT,
+                          env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout.strip() == ("gpu_check.sh: unknown stage 'everything' (tests, cuda, plain, bench, fused, "
+                                   "tune, runtime, serving, memory)")
