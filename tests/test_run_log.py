@@ -158,6 +158,19 @@ def test_cuda_first_orders_files_not_tests():
     assert ids[n_gpu:] == [i for i in before if not i.startswith("tests/test_weights_gpu.py")]   # the rest as before
 
 
+def test_cuda_first_under_xdist_loadfile(tmp_path):
+    """pytest-xdist (>= 3.6) hands out the files with the most tests first: --cuda-first turns that off."""
+    node = ["tests/test_cli.py::test_console_script_installed", "tests/test_layering.py", "tests/test_weights_gpu.py"]
+    first = {}
+    for flag in ([], ["--cuda-first"]):
+        out = tmp_path / f"r{len(flag)}.jsonl"
+        proc = _pytest(ROOT, "-q", "-n", "1", "--dist", "loadfile", "--results-jsonl", str(out), *flag, *node)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        first[bool(flag)] = next(r["nodeid"] for r in _lines(out) if "nodeid" in r).split("::")[0]
+    assert first[True] == "tests/test_weights_gpu.py"
+    assert first[False] != "tests/test_weights_gpu.py"    # xdist 3.8: test_layering.py (29 tests) first
+
+
 def test_sigint_at_the_limit_keeps_the_results(tmp_path):
     """What gpu_check's `timeout -s INT` does at the call's limit: the results so far are on disk."""
     (tmp_path / "test_slow.py").write_text(textwrap.dedent('''
