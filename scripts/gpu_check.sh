@@ -110,7 +110,9 @@ sys.exit(pytest.main(sys.argv[1:]))'
 
 run_pytest() {  # name, marker expression or "": one pytest over the suite (or the extra arguments)
   local name="$1" marker="$2"
-  local args=(-p tests.run_log --cuda-first --results-jsonl "$OUT/results.jsonl" -q -rfE -p no:cacheprovider)
+  # --results-jsonl=PATH in one word: as two, pytest takes PATH for a file argument when it decides whether
+  # to use testpaths (the option comes from a -p plugin), and then collects bench/ too
+  local args=(-p tests.run_log --cuda-first --results-jsonl="$OUT/results.jsonl" -q -rfE -p no:cacheprovider)
   [ -n "$marker" ] && args+=(-m "$marker")
   if python3 -c "import xdist" 2>/dev/null; then
     local n=$(( $(nproc) - 2 ))
@@ -124,11 +126,11 @@ run_pytest() {  # name, marker expression or "": one pytest over the suite (or t
     echo "left out (hypothesis absent on this machine): tests/test_fuzz.py" >> "$summary"; }
   python3 -c "import transformers" 2>/dev/null \
     || echo "transformers absent: the Hugging Face tests skip themselves" >> "$summary"
-  # one inductor compile thread per worker: the workers already fill the cores (16 each would be 200+
-  # compile processes)
+  # 4 inductor compile threads per worker, not 16 (14 workers x 16 would be 200+ compile processes):
+  # the workers already fill the cores, and a cuda test's graph still compiles its kernels in parallel
   # SIGINT raises KeyboardInterrupt even where this call was started with SIGINT ignored (a background job):
   # at the limit, pytest then ends its session and writes its last line
-  TORCHINDUCTOR_COMPILE_THREADS=1 run_stage "$name" "$(left 15)" python3 -c "$PYTEST_INTERRUPTIBLE" \
+  TORCHINDUCTOR_COMPILE_THREADS=4 run_stage "$name" "$(left 15)" python3 -c "$PYTEST_INTERRUPTIBLE" \
     "${args[@]}" "${extra[@]}"
   local rc=$?
   local expect=(--expect-cuda)

@@ -1,7 +1,8 @@
 """A pytest plugin for test runs on a lent GPU machine, where one call is all a session may get
 (scripts/gpu_check.sh loads it with ``-p tests.run_log``; the plain suite does not).
 
-``--results-jsonl PATH``: one JSON line per test, written and flushed the moment its result is known, so
+``--results-jsonl=PATH`` (one word: given as two, pytest reads PATH as a file argument when it decides
+whether to use ``testpaths``, and collects every folder, bench/ too): one JSON line per test, written and flushed the moment its result is known, so
 a run cut off by the call's time limit keeps every result it had (pytest's junit XML is written only at
 the end). Lines, in order::
 

@@ -208,11 +208,13 @@ def test_gpu_check_tests_stage_on_cpu(tmp_path, limit_hit):
     """The stage a device session runs first, here without a GPU (and without the install): one pytest with
     this plugin, its summary in summary.txt and on stdout; red, since the cuda tests could not run. At the
     call's limit (GPU_CHECK_CALL_S; 30 s at least) pytest is interrupted and what it had is summarised."""
-    args = ["tests/test_processors.py::test_processor_options_refused", "tests/test_weights_gpu.py"]
+    # no file argument: the suite is pyproject's testpaths (tests/), as in the real stage; bench/ holds
+    # test_bench_kernels.py too, which -k would select if it were collected
+    args = ["-k", "test_processor_options_refused or test_weights_gpu or test_bench_kernels"]
     env = dict(os.environ, OUT=str(tmp_path), GPU_CHECK_NO_INSTALL="1")
     if limit_hit:
         env["GPU_CHECK_CALL_S"] = "45"                      # 30 s for pytest: test_build_hf takes 2 min on CPU
-        args = ["tests/test_build_hf.py", *args]
+        args = ["tests/test_build_hf.py", "tests/test_weights_gpu.py"]
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "tests", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -228,6 +230,7 @@ def test_gpu_check_tests_stage_on_cpu(tmp_path, limit_hit):
     else:
         assert "tests: rc=0 in " in summary and "all:  1 passed, 0 failed, 3 skipped" in summary
         assert "tests/test_processors.py::test_processor_options_refused" in ran and len(ran) == 4
+        assert not [r for r in ran if r.startswith("bench/")]
     assert (tmp_path / "machine.txt").read_text().count("torch ") == 1
 
 
