@@ -4,9 +4,9 @@
 #
 # The budget. A session has 15 minutes of device time in all: every start (1-2 min), call and idle wait
 # counts, a machine idle for 30 s goes back, and none starts with under 4 min left. So every stage ends
-# within GPU_CHECK_CALL_S (default 360 s) of this script's start, install included: call `run` with
-# timeout_s 400, and a second call of the same size still fits on the warm machine
-# (2 min start + 2 x 400 s < 15 min). Stages stop starting work in time and keep what they measured.
+# within GPU_CHECK_CALL_S (default 360 s) of this script's start, install included, and a second call of
+# the same size still fits on the warm machine (2 min start + 2 x (360 s + transfers) < 15 min). Call
+# `run` with timeout_s 400: a backstop only. Stages stop starting work in time and keep what they measured.
 #
 #   bash scripts/gpu_check.sh [tests]     # issue 15's acceptance in one call: the whole suite, once, on
 #                                         # the GPU machine (`pytest`; its cuda-marked part is `pytest -m
@@ -31,7 +31,7 @@
 #   bash scripts/gpu_check.sh memory --sections load,memory   # issue 16, table 4: bench/report_memory.py
 #   bash scripts/gpu_check.sh memory --sections pool          # -> memory.json
 #   bash scripts/gpu_check.sh bench       # the pytest-benchmark report (bench/report.py) -> bench.json
-# Stages after `tests` pass further arguments on (to pytest, or to the report script).
+# Every stage passes further arguments on (to pytest, or to the report script).
 #
 # A device session runs `tests` first (issue 15: correctness before numbers). With a green run and
 # minutes left, the next stage of issue 16 in the order above; later sessions go on from there.
@@ -145,7 +145,7 @@ case "$stage" in
   cuda) run_pytest cuda cuda || rc=1 ;;
   plain) run_pytest plain "not cuda" || rc=1 ;;
   bench)
-    run_stage bench "$(left 10)" python3 bench/report.py --suites examples,comm,kernels --out "$OUT/bench" || rc=1
+    run_stage bench "$(left 10)" python3 bench/report.py --suites examples,comm,kernels --out "$OUT/bench" "${extra[@]}" || rc=1
     [ -f "$OUT/bench/results.json" ] && mv "$OUT/bench/results.json" "$OUT/bench.json"
     [ -f "$OUT/bench/report.md" ] && cat "$OUT/bench/report.md" >> "$OUT/bench.log"
     rm -rf "$OUT/bench" ;;
