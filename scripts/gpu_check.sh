@@ -104,15 +104,11 @@ run_stage() {  # name, limit (s), command...: SIGINT at the limit (pytest and th
   return $rc
 }
 
-PYTEST_INTERRUPTIBLE='import signal, sys, pytest
-signal.signal(signal.SIGINT, signal.default_int_handler)
-sys.exit(pytest.main(sys.argv[1:]))'
-
 run_pytest() {  # name, marker expression or "": one pytest over the suite (or the extra arguments)
   local name="$1" marker="$2"
   # --results-jsonl=PATH in one word: as two, pytest takes PATH for a file argument when it decides whether
   # to use testpaths (the option comes from a -p plugin), and then collects bench/ too
-  local args=(-p tests.run_log --cuda-first --results-jsonl="$OUT/results.jsonl" -q -rfE -p no:cacheprovider)
+  local args=(--cuda-first --results-jsonl="$OUT/results.jsonl" -q -rfE -p no:cacheprovider)
   [ -n "$marker" ] && args+=(-m "$marker")
   if python3 -c "import xdist" 2>/dev/null; then
     local n=$(( $(nproc) - 2 ))
@@ -128,10 +124,8 @@ run_pytest() {  # name, marker expression or "": one pytest over the suite (or t
     || echo "transformers absent: the Hugging Face tests skip themselves" >> "$summary"
   # 4 inductor compile threads per worker, not 16 (14 workers x 16 would be 200+ compile processes):
   # the workers already fill the cores, and a cuda test's graph still compiles its kernels in parallel
-  # SIGINT raises KeyboardInterrupt even where this call was started with SIGINT ignored (a background job):
-  # at the limit, pytest then ends its session and writes its last line
-  TORCHINDUCTOR_COMPILE_THREADS=4 run_stage "$name" "$(left 15)" python3 -c "$PYTEST_INTERRUPTIBLE" \
-    "${args[@]}" "${extra[@]}"
+  # tests.run_log: pytest with the plugin, interrupted by SIGINT even where the call started with it ignored
+  TORCHINDUCTOR_COMPILE_THREADS=4 run_stage "$name" "$(left 15)" python3 -m tests.run_log "${args[@]}" "${extra[@]}"
   local rc=$?
   local expect=(--expect-cuda)
   [ "$marker" = "not cuda" ] && expect=()
@@ -145,7 +139,8 @@ case "$stage" in
   cuda) run_pytest cuda cuda || rc=1 ;;
   plain) run_pytest plain "not cuda" || rc=1 ;;
   bench)
-    run_stage bench "$(left 10)" python3 bench/report.py --suites examples,comm,kernels --out "$OUT/bench" "${extra[@]}" || rc=1
+    run_stage bench "$(left 10)" python3 bench/report.py --suites examples,comm,kernels --out "$OUT/bench" \
+      "${extra[@]}" || rc=1
     [ -f "$OUT/bench/results.json" ] && mv "$OUT/bench/results.json" "$OUT/bench.json"
     [ -f "$OUT/bench/report.md" ] && cat "$OUT/bench/report.md" >> "$OUT/bench.log"
     rm -rf "$OUT/bench" ;;

@@ -53,9 +53,8 @@ def summarise(path: str, slowest: int = 10, expect_cuda: bool = False) -> tuple[
     missing = collected - len(tests) if collected is not None else 0
     if missing > 0:
         head += f"; NO RESULT for {missing} of {collected} collected tests"
-    lines = [head,
-             f"all:  {counts(results)}",
-             f"cuda: {counts([r for r in results if r['cuda']])}"]
+    cuda = [r for r in results if r["cuda"]]
+    lines = [head, f"all:  {counts(results)}", f"cuda: {counts(cuda)}"]
     bad = [r for r in results if r["outcome"] in ("failed", "error", "xpassed")]
     if bad:
         lines.append(f"failed or errors ({len(bad)}):")
@@ -74,7 +73,6 @@ def summarise(path: str, slowest: int = 10, expect_cuda: bool = False) -> tuple[
         lines.append("rerun: bash scripts/gpu_check.sh tests " + " ".join(f"'{i}'" for i in ids))
     green = finished is not None and finished["exitstatus"] == 0 and not bad and missing <= 0
     if expect_cuda:
-        cuda = [r for r in results if r["cuda"]]
         no_gpu = sum(r["outcome"] == "skipped" and NO_GPU_SKIP in r["message"] for r in cuda)
         if no_gpu or (cuda and not any(r["outcome"] == "passed" for r in cuda)):
             lines.append(f"NOT A GPU RUN: {no_gpu} cuda-marked tests skipped for want of a GPU, "

@@ -1,10 +1,12 @@
-"""A pytest plugin for test runs on a lent GPU machine, where one call is all a session may get
-(scripts/gpu_check.sh loads it with ``-p tests.run_log``; the plain suite does not).
+"""A pytest plugin for test runs on a lent GPU machine, where one call is all a session may get.
+scripts/gpu_check.sh runs ``python3 -m tests.run_log ARGS``: pytest with this plugin, SIGINT raising
+KeyboardInterrupt even where the call was started with SIGINT ignored (a background job), so that at the
+call's limit pytest ends its session and writes its last line. The plain suite does not load it.
 
 ``--results-jsonl=PATH`` (one word: given as two, pytest reads PATH as a file argument when it decides
-whether to use ``testpaths``, and collects every folder, bench/ too): one JSON line per test, written and flushed the moment its result is known, so
-a run cut off by the call's time limit keeps every result it had (pytest's junit XML is written only at
-the end). Lines, in order::
+whether to use ``testpaths``, and collects every folder, bench/ too): one JSON line per test, written
+and flushed the moment its result is known, so a run cut off by the call's time limit keeps every
+result it had (pytest's junit XML is written only at the end). Lines, in order::
 
     {"event": "start", "time": ..., "argv": [...]}
     {"event": "collected", "n": 2996}                        (under xdist: once per worker, the same n)
@@ -118,3 +120,10 @@ class ResultsLog:
         elapsed = round(time.monotonic() - self.t0, 1)
         self.write({"event": "finished", "exitstatus": int(exitstatus), "duration": elapsed})
         self.file.close()
+
+
+if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.exit(pytest.main(["-p", "tests.run_log", *sys.argv[1:]]))

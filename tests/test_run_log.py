@@ -3,6 +3,7 @@
 `tests` stage end to end, with its SIGINT at the call's limit. Each pytest run here is a subprocess."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -15,8 +16,9 @@ import pytest
 
 from tests.examples import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import results_summary  # noqa: E402
+_spec = importlib.util.spec_from_file_location("results_summary", ROOT / "scripts" / "results_summary.py")
+results_summary = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(results_summary)
 
 SYNTHETIC = '''
 import time
@@ -184,9 +186,8 @@ def test_sigint_at_the_limit_keeps_the_results(tmp_path):
     '''))
     out = tmp_path / "r.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    code = ("import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "sys.exit(pytest.main(sys.argv[1:]))")         # Ctrl-C raises also where the suite runs with it ignored
-    proc = subprocess.Popen([sys.executable, "-c", code, "-p", "tests.run_log", "-p", "no:cacheprovider",
+    # gpu_check's entry point: Ctrl-C raises also where the suite itself runs with SIGINT ignored
+    proc = subprocess.Popen([sys.executable, "-m", "tests.run_log", "-p", "no:cacheprovider",
                              "--results-jsonl", str(out), "-q"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t0 = time.monotonic()
