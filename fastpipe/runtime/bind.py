@@ -11,7 +11,6 @@ handler for other kinds); each comm group with a member to bind its plain-torch 
 """
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from fastpipe.lower.program import Program
 from fastpipe.options import LoadOptions
 from fastpipe.payload import DecodedGraph, bind_external
 from fastpipe.runtime.execute import group_fn
+from fastpipe.runtime.graph_device import placed_graph
 from fastpipe.validate.sources import param_ref, payload_text
 from fastpipe.weights import ParamRef, WeightStore, resolve_param_path
 
@@ -64,7 +64,7 @@ class Binder:
         if key not in self._gms:
             if g.external_constants:
                 self._bind_external(sid, g)
-            gm = g.gm if device.type == "cpu" else copy.deepcopy(g.gm).to(device)
+            gm = placed_graph(g.gm, device)      # constants and device arguments on the slot's device
             gm.eval()
             self._gms[key] = gm
         gm = eager = self._gms[key]

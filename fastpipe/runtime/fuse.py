@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from fastpipe.runtime.graph_device import retarget_devices
+
 aten = torch.ops.aten
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
@@ -365,6 +367,7 @@ def _placed_graph(gm: fx.GraphModule, device) -> fx.GraphModule:
     the tensors it shares with the decoded graph."""
     if not _on_device(gm, device):
         gm = copy.deepcopy(gm).to(device)
+    retarget_devices(gm, device)      # its nodes came from the decoded graph: arange(device=cpu), ...
     gm.eval()
     return gm
 
