@@ -19,3 +19,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _plain_tests_see_a_cpu_machine(request, monkeypatch):
+    """A test not marked `cuda` states what happens on a CPU machine, so on a GPU machine it runs as
+    on one: the slots' default device is the CPU (fastpipe.runtime.device_map.default_device would
+    put `npu`/`cuda` slots on the GPU), and the processes it starts see no GPU. The GPU's own
+    behaviour, the default placement there included, is the `cuda` tests' (run with `pytest -m cuda`)."""
+    if torch.cuda.is_available() and request.node.get_closest_marker("cuda") is None:
+        from fastpipe.runtime import device_map
+
+        monkeypatch.setattr(device_map, "default_device", lambda kind, idx: torch.device("cpu"))
+        # CUDA first, in this process: before it is initialized torch.cuda.device_count() re-reads
+        # CUDA_VISIBLE_DEVICES (and dynamo caches the device list it sees), so hiding the GPU from the
+        # children would hide it from every later test of this worker (seen on the GPU machine)
+        torch.cuda.init()
+        assert torch.cuda.device_count() > 0
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

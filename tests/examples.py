@@ -32,3 +32,19 @@ def unsplit_module(name: str) -> torch.nn.Module:
 def copy_example(name: str, dest: Path) -> Path:
     shutil.copytree(GRAPHS / name, dest / name)
     return dest / name / "pipeline.json"
+
+
+SERVING_SET = ROOT / "tests" / "data" / "serving" / "llama_tp2"
+
+
+def linked_serving_set(dest: Path) -> Path:
+    """A copy of the committed serving set laid out as build_serving_set writes one: every bucket's
+    model.safetensors a hard link to one file (git checks them out as separate copies, which a
+    WeightStore, keyed by file identity, cannot share)."""
+    out = dest / SERVING_SET.name
+    shutil.copytree(SERVING_SET, out)
+    first, *rest = sorted(out.glob("*/model.safetensors"))
+    for f in rest:
+        f.unlink()
+        f.hardlink_to(first)
+    return out

@@ -13,6 +13,21 @@ from fastpipe.errors import InputError  # noqa: E402
 from tests.examples import GRAPHS  # noqa: E402
 
 
+def needs_cpu_kernels():
+    """These tests launch the fused kernels on CPU tensors, through the Triton interpreter, which
+    conftest turns on only where CUDA is absent (it must be set before triton is first imported).
+    On a GPU machine the kernels were built for the GPU: tests/test_fusion_gpu.py runs the same
+    fused steps there, against the same pipeline unfused."""
+    from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting
+
+    if not interpreting():
+        if torch.cuda.is_available():
+            pytest.skip("the fused kernels run on CPU tensors only under TRITON_INTERPRET=1, set where CUDA is "
+                        "absent (tests/test_fusion_gpu.py runs them on this GPU)")
+        raise AssertionError("no CUDA, yet the Triton kernels are not interpreted: TRITON_INTERPRET=1 was not set "
+                             "before triton was first imported")
+
+
 def _inputs(sess, seed):
     g = torch.Generator().manual_seed(seed)
     return {n: (torch.randn(sess.pipeline.tensors[n].shape, generator=g) if sess.pipeline.tensors[n].dtype.startswith("f")
@@ -27,6 +42,7 @@ def test_auto_on_cpu_fuses_nothing_and_says_why():
 
 @pytest.mark.parametrize("processor", ["reference", "cpu"])
 def test_forced_fusion_equals_unfused_on_the_example(processor):
+    needs_cpu_kernels()
     path = GRAPHS / "seq_parallel" / "pipeline.json"
     fused = fastpipe.load(path, fuse="always", processor=processor)
     assert {d.group: (d.fused, d.pattern) for d in fused.fusion} == {
@@ -63,6 +79,7 @@ def test_show_plan_reports_fusion(capsys):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_builder_sequence_parallel_pipeline(tmp_path, family):
     """A sequence-parallel pipeline from the builder: with the pass, the same outputs as without it."""
+    needs_cpu_kernels()
     from tests.hf_models import make_checkpoint
 
     from fastpipe.builder.hf.build import build_hf
@@ -113,6 +130,7 @@ def _forced_decision(tmp_path, group: str, **block):
     ((2, 4, 16), 1, False),          # split inside the rows, with a leading dim > 1
 ])
 def test_reduce_scatter_view_is_fused_only_where_it_maps_onto_the_matmul(tmp_path, view, dim, fused):
+    needs_cpu_kernels()
     path, sess, d = _forced_decision(tmp_path, "rs0", rs_view=view, rs_dim=dim)
     assert d.fused is fused, d.reason
     if not fused:
@@ -128,6 +146,7 @@ def test_reduce_scatter_view_is_fused_only_where_it_maps_onto_the_matmul(tmp_pat
     ((2, 4, 16), 1, False),          # gathered inside the rows, with a leading dim > 1
 ])
 def test_all_gather_view_is_fused_only_where_it_maps_onto_the_matmul(tmp_path, view, dim, fused):
+    needs_cpu_kernels()
     path, sess, d = _forced_decision(tmp_path, "ag0", ag_view=view, ag_dim=dim)
     assert d.fused is fused, d.reason
     if not fused:
@@ -140,6 +159,8 @@ def test_all_gather_view_is_fused_only_where_it_maps_onto_the_matmul(tmp_path, v
 def test_fusion_without_checked_payloads(tmp_path, policy, side_blob):
     """check_payloads=False leaves the decoded graphs out of the checked pipeline: the pass decodes
     the payloads it needs itself (safely: decode_payload), with the same decisions and results."""
+    if policy == "always":
+        needs_cpu_kernels()
     import json
 
     from fastpipe.options import LoadOptions

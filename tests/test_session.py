@@ -204,3 +204,18 @@ def test_memory_report_gives_the_plan_per_device():
     assert "measured_peak_bytes" not in r
     (line,) = format_memory_report(report)
     assert line.startswith("cpu (slots ") and "plan " in line and "measured" not in line
+
+
+@pytest.mark.cuda
+def test_with_a_gpu_npu_slots_default_to_it_and_cpu_slots_stay():
+    """The default placement on a GPU machine (the tests not marked cuda see a CPU machine's: conftest):
+    npu:N slots on cuda:(N mod count), CPU inputs moved there, the outputs left there."""
+    g = GRAPHS / "two_stage_skip"
+    sess = fastpipe.load(g / "pipeline.json")
+    assert set(sess.slot_devices.values()) == {torch.device("cuda", 0)}
+    out = sess.run(load_file(str(g / "inputs.safetensors")))
+    want = load_file(str(g / "expected.safetensors"))
+    assert out["y"].device == torch.device("cuda", 0)
+    torch.testing.assert_close(out["y"].cpu(), want["y"], rtol=1e-4, atol=1e-5)
+    cpu = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json")
+    assert set(cpu.slot_devices.values()) == {torch.device("cpu")}

@@ -600,3 +600,36 @@ def test_sessions_over_one_store_share_device_constants(tmp_path):
     b2 = Binder(s2.pipeline, s2.options, store, {s: META for s in s2.slot_devices})
     assert names and all(b1.constant(n, META) is b2.constant(n, META) for n in names)
     assert all(b1.constant(n, META).device == META for n in names)
+
+
+@pytest.mark.parametrize("linked", [True, False])
+def test_a_serving_sets_buckets_share_weights_only_when_linked_as_built(tmp_path, linked):
+    """The buckets of a serving set laid out as build_serving_set writes it (one checkpoint
+    hard-linked into each) share every constant over one store, the region processor's merged
+    weights included; separate copies of the file (as git checks the committed set out) share none,
+    which is why tests/test_weights_gpu.py relinks the committed set."""
+    import shutil
+
+    import fastpipe
+    from tests.examples import SERVING_SET, linked_serving_set
+
+    if linked:
+        root = linked_serving_set(tmp_path)
+    else:
+        root = tmp_path / "copied"
+        shutil.copytree(SERVING_SET, root)
+    store = WeightStore()
+    decode, prefill = sorted(root.glob("*/pipeline.json"))
+
+    def storages(sess):
+        return {t.untyped_storage().data_ptr() for steps in sess.program.steps.values() for st in steps
+                for t in st.constants.values()}
+
+    a = fastpipe.load(decode, store=store, processor="region")
+    b = fastpipe.load(prefill, store=store, processor="region")
+    sa, sb = storages(a), storages(b)
+    assert sa and sb
+    if linked:
+        assert sa == sb and store.stats()["slice_hits"] > 0 and store.stats()["file_opens"] == 1
+    else:
+        assert not sa & sb and store.stats()["slice_hits"] == 0

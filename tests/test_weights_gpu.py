@@ -10,11 +10,10 @@ import torch
 
 import fastpipe
 from fastpipe.weights import WeightStore
-from tests.examples import GRAPHS
+from tests.examples import GRAPHS, linked_serving_set
 
 pytestmark = pytest.mark.cuda
 
-SET = Path(__file__).resolve().parent / "data" / "serving" / "llama_tp2"
 
 
 def _constants(sess) -> dict[str, int]:
@@ -43,10 +42,11 @@ def test_sessions_share_device_constants(processor):
         torch.testing.assert_close(b.run(x)[k], v)
 
 
-def test_buckets_hold_one_copy_of_the_weights():
-    """A serving set's prefill and decode pipelines (one checkpoint) loaded over one store: the
-    second adds no weights on the GPU (each used to copy every constant there)."""
-    decode, prefill = sorted(SET.glob("*/pipeline.json"))
+def test_buckets_hold_one_copy_of_the_weights(tmp_path):
+    """A serving set's prefill and decode pipelines (one checkpoint, hard-linked into each bucket as
+    the builder lays it out) loaded over one store: the second adds no weights on the GPU (each used
+    to copy every constant there)."""
+    decode, prefill = sorted(linked_serving_set(tmp_path).glob("*/pipeline.json"))
     dm = {"0": "cuda:0", "1": "cuda:0"}
     gc.collect()
     torch.cuda.empty_cache()
