@@ -11,7 +11,8 @@ result it had (pytest's junit XML is written only at the end). Lines, in order::
     {"event": "start", "time": ..., "argv": [...]}
     {"event": "collected", "n": 2996}                        (under xdist: once per worker, the same n)
     {"nodeid": ..., "outcome": "passed|failed|error|skipped|xfailed|xpassed", "cuda": bool,
-     "duration": s, "when": "setup|call|teardown", "message": "one line"}
+     "duration": s, "when": "setup|call|teardown", "message": "one line",
+     "longrepr": "the traceback pytest prints (failures and errors only; its last 8000 characters)"}
     {"event": "finished", "exitstatus": 0, "duration": s}     (absent: the run was killed)
 
 A test has one line, or two when its teardown fails after it passed or failed (pytest counts that
@@ -74,6 +75,15 @@ def _message(report) -> str:
     return text[:300]
 
 
+LONGREPR_CHARS = 8000      # per failure: a run's results.jsonl must come back from the GPU machine whole
+
+
+def _longrepr(report) -> str:
+    """The failure as pytest prints it (traceback and captured output), its tail where long."""
+    text = str(report.longrepr or "")
+    return text if len(text) <= LONGREPR_CHARS else "...\n" + text[-LONGREPR_CHARS:]
+
+
 def _outcome(report) -> str:
     if hasattr(report, "wasxfail"):
         return "xfailed" if report.skipped else "xpassed"
@@ -113,8 +123,11 @@ class ResultsLog:
             return
         duration = report.duration + (self.setup_s.pop(report.nodeid, 0.0) if report.when == "call" else 0.0)
         cuda = ("cuda", True) in report.user_properties
-        self.write({"nodeid": report.nodeid, "outcome": _outcome(report), "cuda": cuda, "duration": round(duration, 3),
-                    "when": report.when, "message": _message(report)})
+        record = {"nodeid": report.nodeid, "outcome": _outcome(report), "cuda": cuda, "duration": round(duration, 3),
+                  "when": report.when, "message": _message(report)}
+        if report.failed:
+            record["longrepr"] = _longrepr(report)
+        self.write(record)
 
     def pytest_sessionfinish(self, exitstatus):
         elapsed = round(time.monotonic() - self.t0, 1)

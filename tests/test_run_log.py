@@ -100,6 +100,11 @@ def test_a_line_per_result_and_the_summary(synthetic, workers):
     assert res[("test_fail", "call")]["message"] == "AssertionError: arithmetic is off assert (1 + 1) == 3"
     assert res[("test_setup_error", "setup")]["message"] == "RuntimeError: fixture broke"
     assert res[("test_gpu_skipped", "call")]["message"] == "Skipped: needs a CUDA GPU (as conftest says)"
+    # failures and errors carry their traceback (the GPU machine's log may have none); the rest do not
+    assert "def test_fail" in res[("test_fail", "call")]["longrepr"]
+    assert "fixture broke" in res[("test_setup_error", "setup")]["longrepr"]
+    assert {k for k, r in res.items() if "longrepr" in r} == {
+        ("test_fail", "call"), ("test_setup_error", "setup"), ("test_teardown_error", "teardown")}
 
     lines, green = results_summary.summarise(str(out), slowest=3)
     text = "\n".join(lines)
