@@ -20,9 +20,10 @@ Fused matmul + collective kernels (tensor parallelism's row- and column-parallel
 * ``all_gather_matmul(a, b, dim=0)`` -- cat(a; dim) @ b[j] for each j, reading each tile's
   rows (dim 0) or K-slices (dim 1) straight from the shard that holds them;
   ``all_gather_matmul_reference`` and ``all_gather_matmul_overlapped`` likewise.
-* ``fused_is_faster(M, N, K_total, n, dtype)`` -- when to use the fused kernel (an
-  unmeasured rule, M >= 1024, until ``bench/bench_fused_kernels.py --threshold`` on GPU
-  results replaces it; its docstring says how); ``pick_config`` and ``KernelConfig`` --
+* ``fused_is_faster(M, N, K_total, n, dtype)`` -- when to use the fused kernel (a
+  provisional rule, M >= 1024, until ``bench/bench_fused_kernels.py --threshold`` on GPU
+  results replaces it: the first, bench/measured/fused_h200_2026-11-26.json, has all_gather
+  slower than unfused there; its docstring says how); ``pick_config`` and ``KernelConfig`` --
   the launchers' block-size heuristic and its override.
 
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors; that is how the tests run
