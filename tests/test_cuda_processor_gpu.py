@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fastpipe
+from fastpipe.format import read_pipeline
 from fastpipe.runtime.cuda_processor import CudaProcessor
 from fastpipe.runtime.microbatch import split_chunks
 from fastpipe.runtime.stream_issue import CudaBackend
@@ -20,14 +21,13 @@ SLEEP = 20_000_000          # torch.cuda._sleep cycles: ~10 ms at 2 GHz
 
 
 def on_gpu(path, **kw):
-    slots = fastpipe.load(path).pipeline.devices
+    slots = read_pipeline(path).devices
     return fastpipe.load(path, device_map={s: "cuda:0" for s in slots}, processor="cuda", **kw)
 
 
 def on_cpu(path):
     """The reference: every slot on the CPU (by default `npu` slots would go to the GPU here)."""
-    slots = fastpipe.load(path).pipeline.devices
-    return fastpipe.load(path, device_map={s: "cpu" for s in slots})
+    return fastpipe.load(path, device_map={s: "cpu" for s in read_pipeline(path).devices})
 
 
 def slowed(program, keys):

@@ -9,7 +9,6 @@ The CPU side of the same logic (with fakes for torch.cuda) is tests/test_graph_r
 """
 import json
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +16,12 @@ import torch
 import fastpipe
 from fastpipe.generation.buckets import ServingBuckets
 from fastpipe.generation.engine import Engine
-from tests.examples import GRAPHS
+from tests.examples import GRAPHS, SERVING_SET
 
 pytestmark = pytest.mark.cuda
 
 TP_MLP = GRAPHS / "tp_mlp" / "pipeline.json"
-SET = Path(__file__).resolve().parent / "data" / "serving" / "llama_tp2"
+SET = SERVING_SET
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 import fastpipe
 from fastpipe.errors import CompileError, InputError, RunError
+from fastpipe.format import read_pipeline
 from tests.docs import write_bad_index_pipeline
 from tests.examples import EXAMPLES, GRAPHS
 
@@ -158,7 +159,7 @@ def test_cli_plan_chunks_trace_no_compile(tmp_path, capsys):
 @pytest.mark.parametrize("name", EXAMPLES)
 @pytest.mark.parametrize("graph", [False, True])
 def test_cuda_processor_equals_reference(name, graph):
-    slots = fastpipe.load(GRAPHS / name / "pipeline.json").pipeline.devices
+    slots = read_pipeline(GRAPHS / name / "pipeline.json").devices
     dm = {s: "cuda:0" for s in slots}
     # the reference on the CPU: with a GPU, the default would put npu slots (two_stage_skip's) there
     ref = fastpipe.load(GRAPHS / name / "pipeline.json", device_map={s: "cpu" for s in slots})

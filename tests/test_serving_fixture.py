@@ -10,8 +10,9 @@ import torch
 import fastpipe
 from fastpipe.format import read_pipeline
 from fastpipe.generation.engine import Engine
+from tests.examples import SERVING_SET
 
-SET = Path(__file__).resolve().parent / "data" / "serving" / "llama_tp2"
+SET = SERVING_SET
 EXPECTED = json.loads((SET / "expected.json").read_text())
 
 

@@ -3,7 +3,6 @@ over one WeightStore share each constant's copy on the device, the region proces
 included, and a serving set's buckets hold the weights of one. The CPU side (the "meta" device standing
 in for a GPU) is in tests/test_weights.py."""
 import gc
-from pathlib import Path
 
 import pytest
 import torch

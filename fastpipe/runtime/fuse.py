@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fastpipe.runtime.graph_device import retarget_devices
+from fastpipe.runtime.graph_device import constants_on, retarget_devices
 
 aten = torch.ops.aten
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
@@ -352,22 +352,16 @@ def _renamed(names: tuple[str, ...], old: str, new: tuple[str, ...]) -> tuple[st
     return tuple(x for n in names for x in ((*new,) if n == old else (n,)))
 
 
-def _on_device(gm: fx.GraphModule, device) -> bool:
-    if device is None:
-        return True
-    tensors = list(gm.parameters()) + list(gm.buffers())
-    tensors += [v for v in vars(gm).values() if isinstance(v, torch.Tensor)]
-    return all(t.device == device for t in tensors)
-
-
 def _placed_graph(gm: fx.GraphModule, device) -> fx.GraphModule:
     """The rewritten graph with its constants on the step's device. Its root was the bound step's
     graph (fastpipe.runtime.bind put that on the device), so this is normally `gm` itself; anything
     still elsewhere is moved on a deep copy, as bind does: `.to()` on the graph itself would move
-    the tensors it shares with the decoded graph."""
-    if not _on_device(gm, device):
-        gm = copy.deepcopy(gm).to(device)
-    retarget_devices(gm, device)      # its nodes came from the decoded graph: arange(device=cpu), ...
+    the tensors it shares with the decoded graph. Its nodes are its own (copied from the decoded
+    graph's, arange(device=cpu) and all), so their device arguments are retargeted in place."""
+    if device is not None:
+        if not constants_on(gm, device):
+            gm = copy.deepcopy(gm).to(device)
+        retarget_devices(gm, device)
     gm.eval()
     return gm
 

@@ -36,8 +36,8 @@ def _foreign(n: fx.Node, device: torch.device):
     for i, a in enumerate(n.args):
         if isinstance(a, torch.device) and a != device:
             yield i, a
-    d = n.kwargs.get("device")
-    if d is not None and _as_device(d) is not None and _as_device(d) != device:
+    d = _as_device(n.kwargs.get("device"))
+    if d is not None and d != device:
         yield "device", d
 
 
@@ -68,13 +68,18 @@ def retarget_devices(gm: fx.GraphModule, device: torch.device) -> int:
     return changed
 
 
+def constants_on(gm: fx.GraphModule, device: torch.device) -> bool:
+    """Whether every tensor `gm` holds (parameters, buffers, plain tensor attributes) is on `device`."""
+    tensors = list(gm.parameters()) + list(gm.buffers())
+    tensors += [v for v in vars(gm).values() if isinstance(v, torch.Tensor)]
+    return all(t.device == device for t in tensors)
+
+
 def placed_graph(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     """`gm` on `device`: its constants moved and its device arguments retargeted, on a deep copy
     (the decoded graph is shared by every step of its payload, on every device); `gm` itself when
     it is already there."""
-    tensors = list(gm.parameters()) + list(gm.buffers())
-    tensors += [v for v in vars(gm).values() if isinstance(v, torch.Tensor)]
-    if all(t.device == device for t in tensors) and not foreign_devices(gm, device):
+    if constants_on(gm, device) and not foreign_devices(gm, device):
         return gm
     gm = copy.deepcopy(gm).to(device)
     retarget_devices(gm, device)
