@@ -35,7 +35,8 @@ TFLOP/s = 2*M*N*K_total / time, and its share of the GPU's dense bf16/fp16 peak 
 by device name; --peak-tflops overrides).
 The targets (issue 16), checked per row from M = 1024 on: fused >= 1.3x the unfused path, and fused
 TFLOP/s >= 70% of torch.mm's.
-The "rule" column is what ``fused_is_faster`` (the runtime's threshold) picks today.
+The "rule" column is what ``fused_is_faster`` (fastpipe.kernels.fusion_rule, the runtime's
+decision under fuse="auto") picked when the row was measured.
 
 --check compares every variant's result (the replayed graph's, where timed so) with one float32
 reference computed from the same inputs upcast, with tolerances for the dtype (``tolerance``
@@ -53,10 +54,12 @@ the heuristic by more than 3% into fastpipe.kernels.tuned's table, which pick_co
 on that GPU (the "fused" column of a later run then times the tuned kernel).
 
 --threshold reads result files and prints, per (kernel, N, K_total, n, dtype), the measured
-crossover: the smallest M from which the fused kernel beat the unfused path at every measured
-M (``crossover``); with --json it writes them. That is the data ``fused_is_faster`` is to be set
-from (fastpipe/kernels/mm_reduce_scatter_kernel.py). Without CUDA the script refuses to time,
-except --smoke (tiny sizes, TRITON_INTERPRET=1 on CPU, timings meaningless).
+crossover: the smallest M from which the fused kernel beat the unfused path (beyond the noise:
+fusion_rule.fused_wins) at every measured M (``crossover``), and whether the shipped rule agrees
+at every M; with --json it writes them. With --write-rule PATH it also writes the runtime's rule
+table from those rows (fusion_rule.table_from_rows): ship it as
+fastpipe/kernels/fusion_measured.json. Without CUDA the script refuses to time, except --smoke
+(tiny sizes, TRITON_INTERPRET=1 on CPU, timings meaningless).
 """
 from __future__ import annotations
 
@@ -81,6 +84,7 @@ from bench.machine import machine_info  # noqa: E402
 from fastpipe import comm  # noqa: E402
 from fastpipe.atomic import write_text  # noqa: E402
 from fastpipe.kernels import KernelConfig, all_gather_matmul, fused_is_faster, matmul_reduce_scatter  # noqa: E402
+from fastpipe.kernels.fusion_rule import dump_table, fused_wins, table_from_rows  # noqa: E402
 from tests.tensor_compare import error_ratio  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -334,7 +338,7 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | No
             row[f"{name}_of_peak"] = row[f"{name}_tflops"] / peak if peak else None
     row["peak_tflops"] = peak
     row["speedup"] = row["unfused_ms"] / row["fused_ms"]
-    row["rule_says_fused"] = fused_is_faster(M, N, k_total, n, dtype)
+    row["rule_says_fused"] = fused_is_faster(M, N, k_total, n, dtype, kernel=kernel, dim=dim)
     row["targets"] = targets(row)
     return row
 
@@ -450,11 +454,16 @@ def measured(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "error" not in r]
 
 
-def crossover(rows: list[dict], margin: float = 1.0) -> list[dict]:
+def shipped_rule(r: dict) -> bool:
+    return fused_is_faster(r["M"], r["N"], r["K_total"], r["n"], r["dtype"], kernel=r["kernel"], dim=r["dim"])
+
+
+def crossover(rows: list[dict], rule=shipped_rule) -> list[dict]:
     """The measured crossover per (kernel, dim, dtype, N, K_total, n): ``min_M``, the smallest
     measured M from which the fused kernel was faster than the unfused path at EVERY larger measured
-    M too (``unfused_ms > margin * fused_ms``), None where it never was at the largest M; with the
-    speedups behind it and whether ``fused_is_faster`` (today's rule) agrees at every M measured."""
+    M too (beyond the noise: ``fused_wins``), None where it never was at the largest M; with the
+    speedups behind it and whether ``rule(row)`` (default: the shipped fused_is_faster) agrees at
+    every M measured."""
     groups: dict[tuple, list[dict]] = {}
     for r in measured(rows):
         key = (r["kernel"], r["dim"], r["dtype"], r["N"], r["K_total"], r["n"])
@@ -462,7 +471,7 @@ def crossover(rows: list[dict], margin: float = 1.0) -> list[dict]:
     out = []
     for (kernel, dim, dtype, N, k_total, n), rs in sorted(groups.items()):
         rs = sorted(rs, key=lambda r: r["M"])
-        wins = [r["unfused_ms"] > margin * r["fused_ms"] for r in rs]
+        wins = [fused_wins(r) for r in rs]
         min_m = None
         for i in range(len(rs) - 1, -1, -1):
             if not wins[i]:
@@ -471,7 +480,7 @@ def crossover(rows: list[dict], margin: float = 1.0) -> list[dict]:
         out.append({"kernel": kernel, "dim": dim, "dtype": dtype, "N": N, "K_total": k_total, "n": n, "min_M": min_m,
                     "speedup_by_M": {r["M"]: round(r["speedup"], 3) for r in rs},
                     "fused_vs_torch_mm_by_M": {r["M"]: round(r["torch.mm_ms"] / r["fused_ms"], 3) for r in rs},
-                    "rule_agrees": all(r["rule_says_fused"] == w for r, w in zip(rs, wins))})
+                    "rule_agrees": all(rule(r) == w for r, w in zip(rs, wins))})
     return out
 
 
@@ -480,7 +489,7 @@ def print_thresholds(ts: list[dict]) -> None:
     for t in ts:
         sp = ", ".join(f"M={m}: {s:.2f}x" for m, s in t["speedup_by_M"].items())
         print(f"  {t['kernel']} dim {t['dim']} {t['dtype']} N={t['N']} K_total={t['K_total']} n={t['n']}: "
-              f"min_M={t['min_M']}  ({sp}; today's rule {'agrees' if t['rule_agrees'] else 'DISAGREES'})")
+              f"min_M={t['min_M']}  ({sp}; the shipped rule {'agrees' if t['rule_agrees'] else 'DISAGREES'})")
     for kernel in KERNELS:
         ks = [t for t in ts if t["kernel"] == kernel]
         if not ks:
@@ -492,6 +501,13 @@ def print_thresholds(ts: list[dict]) -> None:
         if never:
             line += "; never faster at: " + ", ".join(f"N={t['N']} K_total={t['K_total']} n={t['n']}" for t in never)
         print(line)
+
+
+def rule_table(rows: list[dict], paths) -> dict:
+    """fusion_rule's table from these result files' rows: their machines and file names recorded."""
+    machines = [json.loads(Path(p).read_text()).get("machine") for p in paths]
+    keep = ("device", "date", "torch", "triton", "python")
+    return table_from_rows(rows, [{k: m.get(k) for k in keep} for m in machines if m], [Path(p).name for p in paths])
 
 
 def read_rows(paths) -> list[dict]:
@@ -522,6 +538,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows (or, with --threshold, the crossovers) and the machine info here")
     ap.add_argument("--threshold", nargs="+", metavar="RESULTS_JSON",
                     help="no timing: read these result files and print (--json: write) the measured crossovers")
+    ap.add_argument("--write-rule", metavar="TABLE_JSON",
+                    help="with --threshold: write fastpipe.kernels.fusion_rule's table from those result files "
+                         "(ship it as fastpipe/kernels/fusion_measured.json)")
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny sizes: tests the script")
     ap.add_argument("--tune", action="store_true",
                     help="also time the fused kernel under each candidate launch config (tune_candidates): the "
@@ -546,8 +565,17 @@ def main(argv=None) -> int:
               "by more than 3%); ship it as fastpipe/kernels/tuned_configs.json or point FASTPIPE_TUNED_CONFIGS at it")
         return 0
 
+    if args.write_rule and not args.threshold:
+        ap.error("--write-rule: needs --threshold RESULTS_JSON ...")
     if args.threshold:
-        ts = crossover(read_rows(args.threshold))
+        rows = read_rows(args.threshold)
+        if args.write_rule:
+            table = rule_table(rows, args.threshold)
+            write_text(Path(args.write_rule), dump_table(table))
+            print(f"wrote {args.write_rule}: {len(table['points'])} measured points "
+                  f"({sum(p['fused_wins'] for p in table['points'])} where the fused kernel won); ship it as "
+                  "fastpipe/kernels/fusion_measured.json")
+        ts = crossover(rows)
         print_thresholds(ts)
         if args.json:
             machines = [json.loads(Path(p).read_text()).get("machine") for p in args.threshold]

@@ -44,6 +44,8 @@ def _row(kernel, M, fused_ms, unfused_ms, n=2, nk=4096, rule=False):
     k_total = n * nk if kernel == "matmul_reduce_scatter" else nk
     return {"kernel": kernel, "M": M, "N=K": nk, "N": nk, "K_total": k_total, "n": n, "dim": 0, "dtype": "bfloat16",
             "fused_ms": fused_ms, "unfused_ms": unfused_ms, "torch.mm_ms": fused_ms * 0.9,
+            "fused_p20": 0.98 * fused_ms, "fused_p80": 1.02 * fused_ms,
+            "unfused_p20": 0.98 * unfused_ms, "unfused_p80": 1.02 * unfused_ms,
             "speedup": unfused_ms / fused_ms, "rule_says_fused": rule}
 
 
@@ -56,8 +58,12 @@ def test_crossover_is_the_smallest_m_from_which_fused_always_wins(tmp_path, caps
             _row(KERNEL, 8192, 1.0, 2.0, rule=True),                        # wins at 128, loses at 1024: 8192
             _row(KERNEL, 16, 2.0, 1.0, n=4), _row(KERNEL, 8192, 2.0, 1.0, n=4, rule=True),    # never
             _row("all_gather_matmul", 16, 1.0, 3.0), _row("all_gather_matmul", 128, 1.0, 3.0)]  # always
-    by = {(t["kernel"], t["n"]): t for t in crossover(rows)}
+    by = {(t["kernel"], t["n"]): t for t in crossover(rows, rule=lambda r: r["rule_says_fused"])}
     assert by[(KERNEL, 2)]["min_M"] == 8192 and not by[(KERNEL, 2)]["rule_agrees"]
+    assert by[(KERNEL, 4)]["rule_agrees"] is False and by[("all_gather_matmul", 2)]["rule_agrees"] is False
+    # a 1% edge is inside the timing noise: not a win
+    (tie,) = crossover([_row(KERNEL, 16, 1.0, 1.01)])
+    assert tie["min_M"] is None
     assert by[(KERNEL, 4)]["min_M"] is None and by[(KERNEL, 4)]["K_total"] == 4 * 4096
     assert by[("all_gather_matmul", 2)]["min_M"] == 16
     res = tmp_path / "fused.json"
@@ -66,3 +72,23 @@ def test_crossover_is_the_smallest_m_from_which_fused_always_wins(tmp_path, caps
     out = capsys.readouterr().out
     assert "matmul_reduce_scatter dim 0 bfloat16 N=4096 K_total=8192 n=2: min_M=8192" in out
     assert json.loads((tmp_path / "t.json").read_text())["crossovers"][0]["kernel"] == "all_gather_matmul"
+
+
+def test_write_rule_turns_results_into_the_runtime_table(tmp_path, capsys):
+    import json
+
+    from bench.bench_fused_kernels import main
+    from fastpipe.kernels.fusion_rule import parse_table
+
+    rows = [_row(KERNEL, 16, 1.0, 2.0), _row(KERNEL, 1024, 2.0, 1.0)]
+    res = tmp_path / "fused.json"
+    res.write_text(json.dumps({"machine": {"device": "GPU X", "date": "d", "cpu": "c"}, "rows": rows}))
+    table = tmp_path / "rule.json"
+    assert main(["--threshold", str(res), "--write-rule", str(table)]) == 0
+    assert "2 measured points (1 where the fused kernel won)" in capsys.readouterr().out
+    doc = json.loads(table.read_text())
+    assert doc["measured_on"] == [{"device": "GPU X", "date": "d", "torch": None, "triton": None, "python": None}]
+    assert doc["sources"] == ["fused.json"]
+    assert [(p["M"], p["fused_wins"]) for p in parse_table(doc, "rule.json")] == [(16, True), (1024, False)]
+    with pytest.raises(SystemExit):
+        main(["--write-rule", str(table)])

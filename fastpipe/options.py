@@ -54,7 +54,8 @@ class RunOptions:
     (captured by Session.compile at warm-up, else at the second run; fastpipe.runtime.graph_replay)."""
     fuse: str = "auto"
     """matmul->reduce_scatter and all_gather->matmul as fused Triton kernels: "auto" (one CUDA device,
-    above the size threshold), "always", "off" (fastpipe.runtime.fuse)."""
+    where the fused kernel was measured faster: fastpipe.kernels.fusion_rule), "always", "off"
+    (fastpipe.runtime.fuse)."""
     merge_shards: bool = True
     """region processor: matmuls the split cut into shards run as one GEMM again on one device
     (fastpipe.runtime.region_passes)."""

@@ -17,8 +17,9 @@
 #                                         # pytest arguments; the rerun line of a summary is such a call)
 #   bash scripts/gpu_check.sh cuda        # `pytest -m cuda` only;  plain: `pytest -m "not cuda"` only
 #   bash scripts/gpu_check.sh fused       # issue 16, table 3: bench/bench_fused_kernels.py -> fused.json; in
-#                                         # fused.log the smallest M where fused wins (to set
-#                                         # fastpipe.kernels.fused_is_faster from), % of bf16 peak, targets.
+#                                         # fused.log the smallest M where fused wins and whether the shipped
+#                                         # rule agrees, % of bf16 peak, targets; fusion_measured.json: the
+#                                         # rule's table from this run (docs/kernels.md says how to ship it).
 #                                         # Cases go shape by shape, both kernels and every M per shape, so a
 #                                         # run cut short has whole crossovers: pass --nk 8192 to go on
 #   bash scripts/gpu_check.sh tune        # launch configs per shape (--tune, M 1024 and 8192): tune.json and
@@ -151,7 +152,8 @@ case "$stage" in
   fused)   # --budget-s: no case starts after it; the last one may still run a minute
     run_stage fused "$(left 20)" python3 bench/bench_fused_kernels.py --kernel both --check \
       --budget-s "$(left 90)" --json "$OUT/fused.json" "${extra[@]}" || rc=1
-    python3 bench/bench_fused_kernels.py --threshold "$OUT/fused.json" >> "$OUT/fused.log" 2>&1 || rc=1 ;;
+    python3 bench/bench_fused_kernels.py --threshold "$OUT/fused.json" --write-rule "$OUT/fusion_measured.json" \
+      >> "$OUT/fused.log" 2>&1 || rc=1 ;;
   tune)
     run_stage tune "$(left 20)" python3 bench/bench_fused_kernels.py --kernel both --tune --check --ms 1024,8192 \
       --budget-s "$(left 120)" --json "$OUT/tune.json" "${extra[@]}" || rc=1

@@ -170,9 +170,10 @@ def test_crossover_skips_failed_rows():
 
     row = lambda M, fused, unfused: {"kernel": "matmul_reduce_scatter", "dim": 0, "dtype": "bfloat16", "N": 4096,  # noqa: E731
                                      "K_total": 8192, "n": 2, "M": M, "fused_ms": fused, "unfused_ms": unfused,
-                                     "speedup": unfused / fused, "torch.mm_ms": fused, "rule_says_fused": M >= 1024}
+                                     "fused_p20": fused, "fused_p80": fused, "unfused_p20": unfused,
+                                     "unfused_p80": unfused, "speedup": unfused / fused, "torch.mm_ms": fused}
     rows = [row(16, 2.0, 1.0), row(1024, 1.0, 2.0), {"kernel": "matmul_reduce_scatter", "M": 8192, "error": "x"}]
-    (c,) = crossover(rows)
+    (c,) = crossover(rows, rule=lambda r: r["M"] >= 1024)
     assert c["min_M"] == 1024 and set(c["speedup_by_M"]) == {16, 1024} and c["rule_agrees"]
 
 

@@ -40,6 +40,35 @@ def test_auto_on_cpu_fuses_nothing_and_says_why():
     assert all("fused kernels run on one CUDA device" in d.reason for d in sess.fusion)
 
 
+@pytest.mark.parametrize("S, dtype, want", [
+    (1024, "bf16", {"ag0": False, "rs0": True}),     # matmul+reduce_scatter measured faster from M 1024
+    (16, "bf16", {"ag0": False, "rs0": True}),       # ... and at M 16 (decode); all_gather+matmul never at n 2
+    (128, "bf16", {"ag0": False, "rs0": False}),     # at M 128 the unfused path was as fast or faster
+    (1024, "f16", {"ag0": False, "rs0": True}),      # float16 takes bfloat16's measurement
+    (1024, "f32", {"ag0": False, "rs0": False}),     # float32 was never measured: unfused
+])
+def test_auto_on_one_cuda_device_follows_the_measured_rule(tmp_path, S, dtype, want):
+    """fuse="auto" with both members on one CUDA device asks fastpipe.kernels.fusion_rule at the group's
+    shape, and the decision quotes the measurement (analysis only: no GPU needed to decide)."""
+    from fastpipe import dtypes
+    from fastpipe.kernels.fusion_rule import estimate
+    from fastpipe.runtime import fuse
+    from tests.fusion_pipelines import sp_block
+
+    D, H, n = 256, 512, 2
+    sess = fastpipe.load(sp_block(tmp_path, S=S, D=D, H=H, n=n, dtype=dtype), fuse="off")
+    cuda = {s: torch.device("cuda:0") for s in sess.slot_devices}
+    got = {d.group: d for d in fuse.analyze(sess.checked, cuda, "auto")}
+    assert {g: d.fused for g, d in got.items()} == want
+    t = dtypes.to_torch(dtype)
+    rules = {"ag0": estimate("all_gather_matmul", S, H // n, D, n, t),          # [S, D] @ [D, H/n]
+             "rs0": estimate("matmul_reduce_scatter", S, D, H, n, t)}          # n x [S, H/n] @ [H/n, D]
+    for g, d in got.items():
+        assert d.reason.endswith(rules[g].reason) and "fastpipe.kernels.fusion_rule" in d.reason, d.line()
+        assert d.reason.startswith("all members match, and the fused kernel is faster here" if d.fused
+                                   else "the unfused path, faster here")
+
+
 @pytest.mark.parametrize("processor", ["reference", "cpu"])
 def test_forced_fusion_equals_unfused_on_the_example(processor):
     needs_cpu_kernels()

@@ -1,7 +1,8 @@
 """Fused steps through the runtime on a GPU: a sequence-parallel block (all_gather -> matmul ... matmul ->
 reduce_scatter, tests/fusion_pipelines.py) with both slots on cuda:0, run fused (fuse="always" at a small
-shape, fuse="auto" at a shape above fused_is_faster's threshold) and compared to the same pipeline run
-unfused on the same GPU, in bfloat16 and float32. Marked `cuda`: skipped cleanly without a GPU."""
+shape, fuse="auto" where the measured rule, fastpipe.kernels.fusion_rule, fuses one of the pair) and
+compared to the same pipeline run unfused on the same GPU, in bfloat16 and float32. Marked `cuda`:
+skipped cleanly without a GPU."""
 import pytest
 import torch
 
@@ -25,23 +26,41 @@ def _cuda_tensors(gm):
     return held
 
 
+def _auto_decisions(S, D, H, n, dtype) -> dict[str, bool]:
+    """What fuse="auto" must decide for sp_block's groups: fastpipe.kernels.fusion_rule at their shapes
+    (all_gather: [S, D] @ [D, H/n]; reduce_scatter: n x [S, H/n] @ [H/n, D])."""
+    from fastpipe import dtypes
+    from fastpipe.kernels import fused_is_faster
+
+    t = dtypes.to_torch(dtype)
+    return {"ag0": fused_is_faster(S, H // n, D, n, t, kernel="all_gather_matmul"),
+            "rs0": fused_is_faster(S, D, H, n, t, kernel="matmul_reduce_scatter")}
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("processor", ["reference", "cuda", "region"])
 @pytest.mark.parametrize("policy, S", [("always", 64), ("auto", 1024)])
 def test_fused_step_on_gpu_equals_unfused(tmp_path, dtype, processor, policy, S):
-    from fastpipe.kernels import fused_is_faster
-
     D, H, n = 256, 512, 2
+    decided = {"ag0": True, "rs0": True}
     if policy == "auto":
         if processor == "region":
             pytest.skip("auto leaves the pair to the region processor's compiler (fuse='always' forces the kernels)")
-        assert fused_is_faster(S, D, H, n, torch.bfloat16), "the shape must be above the threshold for this test"
+        decided = _auto_decisions(S, D, H, n, dtype)
+        if dtype == "bf16":  # the measured rule fuses matmul->reduce_scatter from M 1024, never all_gather at n 2
+            assert decided == {"ag0": False, "rs0": True}, decided
+        else:                # float32 was never measured: auto leaves it unfused
+            assert decided == {"ag0": False, "rs0": False}, decided
     path = sp_block(tmp_path, S=S, D=D, H=H, n=n, dtype=dtype)
     fused = fastpipe.load(path, DM, fuse=policy, processor=processor)
-    assert {d.group: d.fused for d in fused.fusion} == {"ag0": True, "rs0": True}, [d.line() for d in fused.fusion]
-    # the rewritten steps run on the GPU with their embedded constant there too
+    assert {d.group: d.fused for d in fused.fusion} == decided, [d.line() for d in fused.fusion]
+    # each rank's block consumes the gather and feeds the reduce_scatter: its step is rewritten at both ends
     steps = [st for ss in fused.program.steps.values() for st in ss if st.kind == "compute"]
-    assert steps and all("fused_matmul_out" in st.graph.code for st in steps)
+    assert len(steps) == n
+    for st in steps:
+        assert ("fused_matmul_out" in st.graph.code) == decided["ag0"]                  # the matmul left it
+        assert any(w.endswith("#a") for w in st.writes) == decided["rs0"], st.writes   # it hands out the operands
+    # the (rewritten) steps run on the GPU with their embedded constant there too
     for st in steps:
         held = _cuda_tensors(st.graph)
         assert held and all(t.device.type == "cuda" for t in held.values()), {k: t.device for k, t in held.items()}

@@ -21,7 +21,6 @@ import pytest  # noqa: E402
 from fastpipe.kernels import (  # noqa: E402
     KernelConfig,
     KernelUnavailable,
-    fused_is_faster,
     matmul_reduce_scatter,
     matmul_reduce_scatter_overlapped,
     matmul_reduce_scatter_reference,
@@ -312,13 +311,6 @@ def test_kernel_config_validation():
         KernelConfig(8, 32, 32)
     with pytest.raises(ValueError, match="power of two >= 16"):
         KernelConfig(32, 48, 32)
-
-
-def test_fused_is_faster_unmeasured_rule():
-    assert not fused_is_faster(16, 4096, 8192, 2, torch.bfloat16)
-    assert not fused_is_faster(1023, 4096, 8192, 2, torch.bfloat16)
-    assert fused_is_faster(1024, 4096, 8192, 2, torch.bfloat16)
-    assert not fused_is_faster(8192, 4096, 4096, 1, torch.bfloat16)  # nothing to reduce
 
 
 def test_interpreter_compat_fixes_only_a_broken_interpreter(monkeypatch):

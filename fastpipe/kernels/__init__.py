@@ -2,9 +2,9 @@
 
 Importing the package imports nothing but the standard library: each name below loads
 its module on first use (``mm_reduce_scatter_kernel``: matmul_reduce_scatter, its
-reference and overlapped variant, the shared launch helpers and ``fused_is_faster``;
-``all_gather_mm_kernel``: all_gather_matmul and its variants). No module is named after a
-function it defines, so ``fastpipe.kernels.matmul_reduce_scatter`` is always the function.
+reference and overlapped variant, the shared launch helpers; ``all_gather_mm_kernel``:
+all_gather_matmul and its variants; ``fusion_rule``: ``fused_is_faster``). No module is
+named after a function it defines, so ``fastpipe.kernels.matmul_reduce_scatter`` is always the function.
 
 Without triton the package still imports; a Triton kernel that cannot run here (no triton,
 or CPU tensors without ``TRITON_INTERPRET=1``) raises ``KernelUnavailable`` when it is
@@ -20,11 +20,11 @@ Fused matmul + collective kernels (tensor parallelism's row- and column-parallel
 * ``all_gather_matmul(a, b, dim=0)`` -- cat(a; dim) @ b[j] for each j, reading each tile's
   rows (dim 0) or K-slices (dim 1) straight from the shard that holds them;
   ``all_gather_matmul_reference`` and ``all_gather_matmul_overlapped`` likewise.
-* ``fused_is_faster(M, N, K_total, n, dtype)`` -- when to use the fused kernel (a
-  provisional rule, M >= 1024, until ``bench/bench_fused_kernels.py --threshold`` on GPU
-  results replaces it: the first, bench/measured/fused_h200_2026-11-26.json, has all_gather
-  slower than unfused there; its docstring says how); ``pick_config`` and ``KernelConfig`` --
-  the launchers' block-size heuristic and its override.
+* ``fused_is_faster(M, N, K_total, n, dtype, kernel=..., dim=0)`` -- whether ``fuse="auto"``
+  uses the fused kernel: where it was measured faster than the runtime's unfused path (the
+  nearest point of ``fusion_measured.json``, measured on a GPU by
+  ``bench/bench_fused_kernels.py``; ``fusion_rule.estimate`` gives the reason too);
+  ``pick_config`` and ``KernelConfig`` -- the launchers' block-size heuristic and its override.
 
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors; that is how the tests run
 without a GPU. Set it before triton is first imported (Triton's own library functions,
@@ -42,7 +42,7 @@ import importlib
 _EXPORTS = {
     "KernelConfig": "mm_reduce_scatter_kernel",
     "KernelUnavailable": "mm_reduce_scatter_kernel",
-    "fused_is_faster": "mm_reduce_scatter_kernel",
+    "fused_is_faster": "fusion_rule",
     "matmul_reduce_scatter": "mm_reduce_scatter_kernel",
     "matmul_reduce_scatter_overlapped": "mm_reduce_scatter_kernel",
     "matmul_reduce_scatter_reference": "mm_reduce_scatter_kernel",

@@ -60,7 +60,6 @@ __all__ = [
     "KernelConfig",
     "KernelUnavailable",
     "MAX_PARTICIPANTS",
-    "fused_is_faster",
     "matmul_reduce_scatter",
     "matmul_reduce_scatter_overlapped",
     "matmul_reduce_scatter_reference",
@@ -515,43 +514,6 @@ def matmul_reduce_scatter_overlapped(a: Sequence[Tensor], b: Sequence[Tensor], d
             r = r / n
         outs.append(r.to(dtype).contiguous() if r.dtype != dtype else r.contiguous())
     return outs
-
-
-# ---------------------------------------------------------------------------
-# 5. when to fuse
-# ---------------------------------------------------------------------------
-
-FUSED_MIN_M = 1024
-
-
-def fused_is_faster(M: int, N: int, K_total: int, n: int, dtype: torch.dtype) -> bool:
-    """Whether the fused kernel should replace the unfused path (the runtime's fusion policy "auto",
-    fastpipe.runtime.fuse): for matmul->reduce_scatter, torch.mm per participant then
-    fastpipe.comm.reduce_scatter; for all_gather->matmul, fastpipe.comm.all_gather then torch.mm.
-    M: the matmul's rows; N: its columns; K_total: the summed K (n * K_i for matmul_reduce_scatter,
-    K for all_gather_matmul); n: participants; dtype: a torch dtype.
-
-    Rule today: fused when ``n >= 2`` and ``M >= FUSED_MIN_M`` (1024). Rationale: the fused
-    kernel saves 2*n*M*N element reads/writes of partial products and n launches, which matters
-    once M*N is large; for decode-sized M the GEMMs are bound by reading the weights, where
-    cuBLAS's split-K is hard to beat with a kernel that writes each tile once.
-
-    THIS THRESHOLD IS NOT MEASURED YET: no GPU was lent to the sessions that wrote and reviewed the
-    kernels. It awaits the crossover measured on the target GPU against the runtime's real
-    unfused path, by::
-
-        python bench/bench_fused_kernels.py --kernel both --check --json fused.json
-        python bench/bench_fused_kernels.py --threshold fused.json
-
-    The first times fused vs unfused vs one cuBLAS GEMM over M in {16, 128, 1024, 8192},
-    N = K in {4096, 8192}, n in {2, 4}, bf16; the second prints, per (kernel, N, K_total, n,
-    dtype), the smallest M from which the fused kernel won at every larger M (``min_M``; None:
-    never). Set FUSED_MIN_M (or a table keyed like that output, making the rule depend on N,
-    K_total, n and dtype where the data says so) from it, and record the numbers in
-    BENCHMARKS.md. N, K_total and dtype are accepted now so that callers need not change.
-    """
-    del N, K_total, dtype  # part of the signature for the measured rule
-    return n >= 2 and M >= FUSED_MIN_M
 
 
 # ---------------------------------------------------------------------------

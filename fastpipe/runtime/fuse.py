@@ -25,10 +25,10 @@ The rewritten graphs live on their step's device: they take their constants (get
 from the bound step's graph (fastpipe.runtime.bind placed it there), never from the decoded CPU
 graph; an all_gather->matmul group's weights are moved to the group's device.
 
-Policy: "off"; "auto" (default): fuse when every member is on one CUDA device and the shape is
-above the threshold (fastpipe.kernels.fused_is_faster); "always": fuse every match whose members
-share one device (on CPU the Triton kernels need TRITON_INTERPRET=1 - tests use that). Every
-group that could be fused gets a decision with its reason (Session.fusion, `fastpipe show --plan`).
+Policy: "off"; "auto" (default): fuse when every member is on one CUDA device and the fused
+kernel was measured faster at the shape (fastpipe.kernels.fusion_rule; the reason quotes the
+measurement); "always": fuse every match whose members share one device (on CPU the Triton
+kernels need TRITON_INTERPRET=1 - tests use that). Every group that could be fused gets a decision with its reason (Session.fusion, `fastpipe show --plan`).
 
 Loading with check_payloads=False: checked.graphs decodes each payload at its first use, once per
 distinct payload, for binding and this pass alike (fastpipe.validate.lazy_graphs; nothing from the
@@ -147,23 +147,28 @@ def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list
         elif policy == "auto" and next(iter(devices)).type != "cuda":
             d.reason = ("members on " + ", ".join(sorted(str(x) for x in devices)) +
                         ": the fused kernels run on one CUDA device (fuse='always' forces them)")
-        elif policy == "auto" and not _big_enough(d, p):
-            d.reason = "below the size threshold (fastpipe.kernels.fused_is_faster): the unfused path is faster there"
+        elif policy == "auto" and not (est := _measured(d)).fused:
+            d.reason = f"the unfused path, faster here (fastpipe.kernels.fusion_rule): {est.reason}"
         else:
             d.fused = True
-            d.reason = "all members match" + (" (forced)" if policy == "always" else "")
+            d.reason = ("all members match (forced)" if policy == "always" else
+                        f"all members match, and the fused kernel is faster here (fastpipe.kernels.fusion_rule): "
+                        f"{est.reason}")
     return out
 
 
-def _big_enough(d: Decision, p) -> bool:
+def _measured(d: Decision):
+    """fastpipe.kernels.fusion_rule's estimate for the group's shape (the first member's matmul)."""
     from fastpipe import dtypes
-    from fastpipe.kernels import fused_is_faster
+    from fastpipe.kernels.fusion_rule import estimate
 
     m = d.plan[0]
     M, K = m["a_shape"]
     N = m["b_shape"][1]
-    k_total = K * (len(d.plan) if d.pattern == "matmul->reduce_scatter" else 1)
-    return fused_is_faster(M, N, k_total, len(d.plan), dtypes.to_torch(m["dtype"]))
+    mrs = d.pattern == "matmul->reduce_scatter"
+    k_total = K * (len(d.plan) if mrs else 1)
+    return estimate("matmul_reduce_scatter" if mrs else "all_gather_matmul", M, N, k_total, len(d.plan),
+                    dtypes.to_torch(m["dtype"]), m["dim"])
 
 
 def _match(p, flow, graphs, g, members, d: Decision) -> str:

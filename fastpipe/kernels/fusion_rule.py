@@ -1,0 +1,159 @@
+"""When the runtime fuses (policy "auto"): the fused kernel where it was measured faster than the
+unfused path the runtime really runs, the unfused path (cuBLAS, then the collective) everywhere else.
+
+The measurements ship as ``fusion_measured.json`` beside this file, written by
+``bench/bench_fused_kernels.py --threshold RESULTS_JSON... --write-rule PATH`` from a GPU run of
+that bench (``table_from_rows`` below; the raw rows of the shipped table are in
+bench/measured/)::
+
+    {"format": 1, "measured_on": [{"device": "NVIDIA H200", "date": ..., "torch": ..., "triton": ...}],
+     "sources": ["fused_h200_2026-11-26.json"], "criterion": "...",
+     "points": [{"kernel": "matmul_reduce_scatter", "dim": 0, "dtype": "bfloat16",
+                 "M": 16, "N": 4096, "K_total": 8192, "n": 2, "speedup": 1.294, "fused_wins": true}, ...]}
+
+A point's ``fused_wins`` is true only where the win is outside the timing noise: the fused
+kernel's 80th-percentile time below the unfused path's 20th percentile (``fused_wins(row)``).
+A tie, or a win inside the noise, goes to the unfused path.
+
+A call (kernel, M, N, K_total, n, dtype, dim) takes the decision of the measured point nearest
+to it, distance being the sum of |log2| ratios of M, N, K_total and n, among the points of the
+same kernel, dim and dtype (float16 uses bfloat16's points: the same element size and kernel);
+where several points are equally near, it fuses only if all of them won. So between two
+measured M the nearer one (in log scale) decides, and beyond the measured grid the edge does:
+M = 1 takes M = 16's decision. No point for the kernel, dim and dtype (float32, say, or
+dim 1 before anyone measured it): not fused, and the reason says what to measure.
+
+Every decision comes with its evidence (``estimate(...).reason``): the point it took, its speedup
+and the GPU that measured it. The table was measured on one GPU model; on another the same table
+decides until that GPU's run is written in, and the reason names the GPU it came from.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+KERNELS = ("matmul_reduce_scatter", "all_gather_matmul")
+PACKAGED = Path(__file__).with_name("fusion_measured.json")
+CRITERION = ("fused_wins: the fused kernel's p80 time below the unfused path's p20 "
+             "(bench/bench_fused_kernels.py, CUDA-graph replays); the nearest point in log2(M, N, K_total, n) decides")
+# dtypes measured under another's name: the same element size and the same kernel code
+_SAME_AS = {"float16": "bfloat16"}
+_POINT_FIELDS = ("kernel", "dim", "dtype", "M", "N", "K_total", "n", "speedup", "fused_wins")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    fused: bool
+    reason: str
+
+
+def fused_wins(row: dict) -> bool:
+    """One bench row's verdict: the fused kernel faster than the unfused path beyond the noise."""
+    return row["fused_p80"] < row["unfused_p20"]
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def table_from_rows(rows: list[dict], machines: list[dict], sources: list[str]) -> dict:
+    """The shipped table's document from bench_fused_kernels rows (rows that raised or failed their
+    numerics check are left out); ValueError where one shape was measured twice."""
+    points, seen = [], {}
+    for r in rows:
+        if "error" in r or r.get("check", "ok") != "ok":
+            continue
+        p = {"kernel": r["kernel"], "dim": r["dim"], "dtype": r["dtype"], "M": r["M"], "N": r["N"],
+             "K_total": r["K_total"], "n": r["n"], "speedup": round(r["speedup"], 3), "fused_wins": fused_wins(r)}
+        key = tuple(p[f] for f in _POINT_FIELDS[:7])
+        if key in seen:
+            raise ValueError(f"rows: {dict(zip(_POINT_FIELDS[:7], key))} measured twice: "
+                             "give one run's results per shape")
+        seen[key] = True
+        points.append(p)
+    points.sort(key=lambda p: tuple(p[f] for f in _POINT_FIELDS[:7]))
+    return {"format": 1, "measured_on": machines, "sources": sources, "criterion": CRITERION, "points": points}
+
+
+def dump_table(doc: dict) -> str:
+    """The table as text: one point per line (diffs between two GPU runs stay readable)."""
+    head = {k: v for k, v in doc.items() if k != "points"}
+    body = ",\n".join("  " + json.dumps(p) for p in doc["points"])
+    return json.dumps(head, indent=1)[:-2] + ',\n "points": [\n' + body + "\n ]\n}\n"
+
+
+def parse_table(doc, where: str) -> list[dict]:
+    """The points of a table document; ValueError naming the field (its JSON path) on a bad one."""
+    if not isinstance(doc, dict) or doc.get("format") != 1 or not isinstance(doc.get("points"), list):
+        raise ValueError(f"{where}: expected {{\"format\": 1, \"points\": [...]}}, found {str(doc)[:80]}")
+    for i, p in enumerate(doc["points"]):
+        at = f"{where}: points[{i}]"
+        if not isinstance(p, dict) or any(f not in p for f in _POINT_FIELDS):
+            raise ValueError(f"{at}: expected an object with {', '.join(_POINT_FIELDS)}, found {str(p)[:80]}")
+        if p["kernel"] not in KERNELS:
+            raise ValueError(f"{at}.kernel: expected one of {', '.join(KERNELS)}, found {p['kernel']!r}")
+        for f in ("M", "N", "K_total", "n"):
+            if isinstance(p[f], bool) or not isinstance(p[f], int) or p[f] < 1:
+                raise ValueError(f"{at}.{f}: expected a positive integer, found {p[f]!r}")
+        if not isinstance(p["fused_wins"], bool):
+            raise ValueError(f"{at}.fused_wins: expected true or false, found {p['fused_wins']!r}")
+    return doc["points"]
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped() -> tuple[tuple[dict, ...], str]:
+    """(points, where they were measured) of the packaged table."""
+    doc = json.loads(PACKAGED.read_text())
+    points = parse_table(doc, str(PACKAGED))
+    where = "; ".join(f"{m.get('device')} {m.get('date')}" for m in doc.get("measured_on") or []) or "unknown GPU"
+    return tuple(points), where
+
+
+def _distance(p: dict, M: int, N: int, K_total: int, n: int) -> float:
+    return sum(abs(math.log2(x / p[f])) for x, f in ((M, "M"), (N, "N"), (K_total, "K_total"), (n, "n")))
+
+
+def _shape(p: dict) -> str:
+    return f"M={p['M']} N={p['N']} K_total={p['K_total']} n={p['n']}"
+
+
+def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int = 0) -> Estimate:
+    """The decision for one fusable group and its reason (see the module docstring).
+    kernel: "matmul_reduce_scatter" | "all_gather_matmul"; M: the matmul's rows; N: its columns;
+    K_total: the summed K (n * K_i for matmul_reduce_scatter, K for all_gather_matmul); n:
+    participants; dtype: a torch dtype (or its name); dim: the kernel's scatter/gather dim (0: row
+    blocks, 1: column blocks)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {', '.join(KERNELS)}, found {kernel!r}")
+    for name, v in (("M", M), ("N", N), ("K_total", K_total), ("n", n)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected a positive integer, found {v!r}")
+    if n < 2:
+        return Estimate(False, "one participant: there is nothing to reduce or gather")
+    points, where = _shipped()
+    want = _dtype_name(dtype)
+    as_dtype = _SAME_AS.get(want, want)
+    mine = [p for p in points if p["kernel"] == kernel and p["dim"] == dim and p["dtype"] == as_dtype]
+    if not mine:
+        return Estimate(False, f"{kernel} was not measured for {want}, dim {dim} (auto fuses only where measured "
+                               f"faster; bench/bench_fused_kernels.py --dtype/--dim measures it; fuse='always' "
+                               f"forces the kernel)")
+    dist = {id(p): _distance(p, M, N, K_total, n) for p in mine}
+    best = min(dist.values())
+    near = [p for p in mine if dist[id(p)] <= best + 1e-9]
+    fused = all(p["fused_wins"] for p in near)
+    evidence = "; ".join(f"{p['speedup']:.2f}x" + (" faster" if p["fused_wins"] else ", not faster") +
+                         f" than unfused at {_shape(p)}" for p in near)
+    also = f" ({want} uses the {as_dtype} measurement)" if as_dtype != want else ""
+    exact = best == 0.0
+    at = "measured at this shape" if exact else f"the nearest measured shape{'s' if len(near) > 1 else ''}"
+    return Estimate(fused, f"{at}: {evidence}, {as_dtype} dim {dim}, on {where}{also}")
+
+
+def fused_is_faster(M: int, N: int, K_total: int, n: int, dtype, *, kernel: str, dim: int = 0) -> bool:
+    """Whether ``fuse="auto"`` replaces the unfused path by ``kernel`` at this shape: ``estimate``'s
+    decision (the nearest point of the measured table; its reason says which)."""
+    return estimate(kernel, M, N, K_total, n, dtype, dim).fused

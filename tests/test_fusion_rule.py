@@ -1,0 +1,137 @@
+"""fastpipe.kernels.fusion_rule: fuse="auto" fuses where the fused kernel was measured faster than
+the runtime's unfused path, and nowhere else. The shipped table is checked against the raw GPU rows
+it was written from (bench/measured/), and every measured point's decision against that row's
+timings."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastpipe.kernels import fused_is_faster
+from fastpipe.kernels import fusion_rule
+from fastpipe.kernels.fusion_rule import dump_table, estimate, fused_wins, parse_table, table_from_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = json.loads(fusion_rule.PACKAGED.read_text())
+RAW = [json.loads((ROOT / "bench" / "measured" / name).read_text()) for name in SHIPPED["sources"]]
+ROWS = [r for doc in RAW for r in doc["rows"]]
+MRS, AGM = "matmul_reduce_scatter", "all_gather_matmul"
+
+
+def test_the_shipped_table_is_what_the_bench_writes_from_the_committed_rows():
+    machines = [{k: doc["machine"].get(k) for k in ("device", "date", "torch", "triton", "python")} for doc in RAW]
+    want = table_from_rows(ROWS, machines, SHIPPED["sources"])
+    assert SHIPPED == want
+    assert fusion_rule.PACKAGED.read_text() == dump_table(want)
+    assert len(SHIPPED["points"]) == len(ROWS) == 32
+
+
+@pytest.mark.parametrize("i", range(32))
+def test_at_every_measured_shape_auto_picks_the_measured_winner(i):
+    """At a measured shape the decision is that row's: fused exactly where its p80 beat the unfused p20."""
+    r = ROWS[i]
+    got = fused_is_faster(r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, kernel=r["kernel"], dim=r["dim"])
+    assert got == (r["fused_p80"] < r["unfused_p20"])
+    e = estimate(r["kernel"], r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, r["dim"])
+    assert e.reason.startswith("measured at this shape: ") and "NVIDIA H200 2026-11-26" in e.reason
+    assert f"{round(r['speedup'], 3):.2f}x" in e.reason  # the table keeps 3 decimals
+
+
+def test_the_decision_loses_little_where_the_measurement_was_within_noise():
+    """Over the measured grid, following the rule is never more than 3% slower than the better path."""
+    for r in ROWS:
+        fused = fused_is_faster(r["M"], r["N"], r["K_total"], r["n"], r["dtype"], kernel=r["kernel"], dim=r["dim"])
+        chosen, best = (r["fused_ms"] if fused else r["unfused_ms"]), min(r["fused_ms"], r["unfused_ms"])
+        assert chosen <= 1.03 * best, r
+
+
+def test_off_the_grid_the_nearest_measured_point_decides():
+    # decode-sized M takes M = 16's decision: matmul+reduce_scatter won there (1.21x-1.35x) at every shape
+    for M in (1, 8, 32):
+        assert fused_is_faster(M, 4096, 8192, 2, torch.bfloat16, kernel=MRS)
+    # 64 is nearer 128 (log2 distance 1) than 16 (2): at N 8192, n 2 unfused won at 128 (0.89x)
+    assert not fused_is_faster(64, 8192, 16384, 2, torch.bfloat16, kernel=MRS)
+    # beyond the largest M the edge decides; all_gather+matmul won only at N = K = 4096, n = 4, M = 8192
+    assert fused_is_faster(65536, 4096, 4096, 4, torch.bfloat16, kernel=AGM)
+    assert not fused_is_faster(65536, 4096, 4096, 2, torch.bfloat16, kernel=AGM)
+    assert not fused_is_faster(1024, 4096, 4096, 4, torch.bfloat16, kernel=AGM)
+    # n = 8 was not measured: n = 4's points decide
+    assert fused_is_faster(8192, 4096, 32768, 8, torch.bfloat16, kernel=MRS)
+    e = estimate(MRS, 24, 4096, 8192, 2, torch.bfloat16)
+    assert e.fused and e.reason.startswith("the nearest measured shape: 1.29x faster than unfused at M=16 N=4096")
+
+
+def test_equally_near_points_fuse_only_if_all_won():
+    # N 4096, K_total 32768, n 4 is one log2 step from (N 4096, K_total 16384) and from (N 8192, K_total 32768):
+    # at M 128 the first won (1.05x) and the second lost (0.82x)
+    e = estimate(MRS, 128, 4096, 32768, 4, torch.bfloat16)
+    assert not e.fused and e.reason.startswith("the nearest measured shapes: ")
+    assert "1.05x faster" in e.reason and "0.82x, not faster" in e.reason
+    # at M 16 both won
+    assert estimate(MRS, 16, 4096, 32768, 4, torch.bfloat16).fused
+
+
+def test_unmeasured_dtypes_and_dims_stay_unfused_and_say_so():
+    f32 = estimate(MRS, 8192, 4096, 8192, 2, torch.float32)
+    assert not f32.fused and "not measured for float32, dim 0" in f32.reason
+    d1 = estimate(MRS, 8192, 4096, 8192, 2, torch.bfloat16, dim=1)
+    assert not d1.fused and "dim 1" in d1.reason
+    f16 = estimate(MRS, 8192, 4096, 8192, 2, torch.float16)
+    assert f16.fused and "float16 uses the bfloat16 measurement" in f16.reason
+    one = estimate(MRS, 8192, 4096, 8192, 1, torch.bfloat16)
+    assert not one.fused and "one participant" in one.reason
+
+
+@pytest.mark.parametrize("args, field", [
+    (("mm_rs", 16, 4096, 8192, 2), "kernel"),
+    ((MRS, 0, 4096, 8192, 2), "M"),
+    ((MRS, 16, 4096.0, 8192, 2), "N"),
+    ((MRS, 16, 4096, True, 2), "K_total"),
+])
+def test_bad_queries_name_the_argument(args, field):
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        estimate(*args, torch.bfloat16)
+
+
+def test_the_kernel_must_be_named():
+    with pytest.raises(TypeError, match="kernel"):
+        fused_is_faster(1024, 4096, 8192, 2, torch.bfloat16)
+
+
+def test_fused_wins_needs_the_win_outside_the_noise():
+    row = {"fused_p20": 1.0, "fused_p80": 1.1, "unfused_p20": 1.05, "unfused_p80": 1.2}
+    assert not fused_wins(row)                     # overlapping spreads: a tie, the unfused path
+    assert fused_wins({**row, "unfused_p20": 1.11})
+
+
+def test_table_from_rows_drops_failed_rows_and_refuses_duplicates():
+    good = dict(ROWS[0])
+    bad = {**ROWS[1], "check": "MISMATCH"}
+    raised = {"kernel": MRS, "M": 16, "error": "OutOfMemoryError"}
+    doc = table_from_rows([good, bad, raised], [], ["x.json"])
+    assert len(doc["points"]) == 1 and doc["points"][0]["M"] == good["M"]
+    with pytest.raises(ValueError, match="measured twice"):
+        table_from_rows([good, dict(good)], [], ["x.json"])
+
+
+@pytest.mark.parametrize("doc, where", [
+    ({"format": 2, "points": []}, "t.json: expected"),
+    ({"format": 1, "points": [{"kernel": MRS}]}, "t.json: points\\[0\\]: expected an object with"),
+    ({"format": 1, "points": [{**SHIPPED["points"][0], "kernel": "gemm"}]}, "t.json: points\\[0\\].kernel"),
+    ({"format": 1, "points": [{**SHIPPED["points"][0], "M": -1}]}, "t.json: points\\[0\\].M"),
+    ({"format": 1, "points": [{**SHIPPED["points"][0], "fused_wins": "yes"}]}, "t.json: points\\[0\\].fused_wins"),
+])
+def test_a_bad_table_names_the_field(doc, where):
+    with pytest.raises(ValueError, match=f"^{where}"):
+        parse_table(doc, "t.json")
+
+
+def test_the_table_ships_with_the_package():
+    """An installed (non-editable) fastpipe must carry the table: pyproject's package data covers it."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert any(fnmatch.fnmatch(fusion_rule.PACKAGED.name, g) for g in data["fastpipe.kernels"])
+    assert fusion_rule.PACKAGED.parent == ROOT / "fastpipe" / "kernels"
