@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastpipe.kernels.measured_doc import check_choice, check_positive_ints, entries
+
 KERNELS = ("matmul_reduce_scatter", "all_gather_matmul")
 PACKAGED = Path(__file__).with_name("fusion_measured.json")
 CRITERION = ("fused_wins: the fused kernel's p80 time below the unfused path's p20 "
@@ -87,20 +89,14 @@ def dump_table(doc: dict) -> str:
 
 def parse_table(doc, where: str) -> list[dict]:
     """The points of a table document; ValueError naming the field (its JSON path) on a bad one."""
-    if not isinstance(doc, dict) or doc.get("format") != 1 or not isinstance(doc.get("points"), list):
-        raise ValueError(f"{where}: expected {{\"format\": 1, \"points\": [...]}}, found {str(doc)[:80]}")
-    for i, p in enumerate(doc["points"]):
-        at = f"{where}: points[{i}]"
-        if not isinstance(p, dict) or any(f not in p for f in _POINT_FIELDS):
-            raise ValueError(f"{at}: expected an object with {', '.join(_POINT_FIELDS)}, found {str(p)[:80]}")
-        if p["kernel"] not in KERNELS:
-            raise ValueError(f"{at}.kernel: expected one of {', '.join(KERNELS)}, found {p['kernel']!r}")
-        for f in ("M", "N", "K_total", "n"):
-            if isinstance(p[f], bool) or not isinstance(p[f], int) or p[f] < 1:
-                raise ValueError(f"{at}.{f}: expected a positive integer, found {p[f]!r}")
+    points = []
+    for at, p in entries(doc, where, "points", _POINT_FIELDS):
+        check_choice(p, at, "kernel", KERNELS)
+        check_positive_ints(p, at, ("M", "N", "K_total", "n"))
         if not isinstance(p["fused_wins"], bool):
             raise ValueError(f"{at}.fused_wins: expected true or false, found {p['fused_wins']!r}")
-    return doc["points"]
+        points.append(p)
+    return points
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,7 +126,7 @@ def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int 
         raise ValueError(f"kernel: expected one of {', '.join(KERNELS)}, found {kernel!r}")
     for name, v in (("M", M), ("N", N), ("K_total", K_total), ("n", n)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: expected a positive integer, found {v!r}")
+            raise ValueError(f"{name}: expected an integer >= 1, found {v!r}")
     if n < 2:
         return Estimate(False, "one participant: there is nothing to reduce or gather")
     points, where = _shipped()

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from fastpipe.kernels.launch_config import KernelConfig
+from fastpipe.kernels.measured_doc import check_choice, check_positive_ints, entries
 
 LAUNCHERS = ("mm_sum", "gather_rows")
 PACKAGED = Path(__file__).with_name("tuned_configs.json")
@@ -50,18 +51,10 @@ def table_path() -> Path:
 def parse_table(doc, where: str) -> dict[tuple, list[tuple[int, object]]]:
     """(launcher, device, dtype, N, K, n) -> [(M, KernelConfig)] sorted by M; ValueError naming the
     field (its JSON path) on a bad entry."""
-    if not isinstance(doc, dict) or doc.get("format") != 1 or not isinstance(doc.get("entries"), list):
-        raise ValueError(f"{where}: expected {{\"format\": 1, \"entries\": [...]}}, found {str(doc)[:80]}")
     out: dict[tuple, list] = {}
-    for i, e in enumerate(doc["entries"]):
-        at = f"{where}: entries[{i}]"
-        if not isinstance(e, dict) or any(f not in e for f in _FIELDS):
-            raise ValueError(f"{at}: expected an object with {', '.join(_FIELDS)}, found {str(e)[:80]}")
-        if e["launcher"] not in LAUNCHERS:
-            raise ValueError(f"{at}.launcher: expected one of {', '.join(LAUNCHERS)}, found {e['launcher']!r}")
-        for f in ("M", "N", "K", "n"):
-            if not isinstance(e[f], int) or isinstance(e[f], bool) or e[f] < 1:
-                raise ValueError(f"{at}.{f}: expected an integer >= 1, found {e[f]!r}")
+    for at, e in entries(doc, where, "entries", _FIELDS):
+        check_choice(e, at, "launcher", LAUNCHERS)
+        check_positive_ints(e, at, ("M", "N", "K", "n"))
         if not isinstance(e["dtype"], str) or not isinstance(getattr(torch, e["dtype"], None), torch.dtype):
             raise ValueError(f"{at}.dtype: expected a torch dtype name (bfloat16, ...), found {e['dtype']!r}")
         try:

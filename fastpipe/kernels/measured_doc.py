@@ -1,0 +1,26 @@
+"""Checks shared by the tables that GPU runs write and fastpipe.kernels reads (tuned.py's launch
+configs, fusion_rule.py's fused-vs-unfused points): a ``{"format": 1, "<list>": [...]}`` document
+whose entries are objects; every error names the field by its JSON path."""
+from __future__ import annotations
+
+
+def entries(doc, where: str, key: str, fields: tuple[str, ...]):
+    """Yield (JSON path, entry) for each entry of ``doc[key]``, each checked to be an object with `fields`."""
+    if not isinstance(doc, dict) or doc.get("format") != 1 or not isinstance(doc.get(key), list):
+        raise ValueError(f"{where}: expected {{\"format\": 1, \"{key}\": [...]}}, found {str(doc)[:80]}")
+    for i, e in enumerate(doc[key]):
+        at = f"{where}: {key}[{i}]"
+        if not isinstance(e, dict) or any(f not in e for f in fields):
+            raise ValueError(f"{at}: expected an object with {', '.join(fields)}, found {str(e)[:80]}")
+        yield at, e
+
+
+def check_choice(e: dict, at: str, field: str, choices: tuple[str, ...]) -> None:
+    if e[field] not in choices:
+        raise ValueError(f"{at}.{field}: expected one of {', '.join(choices)}, found {e[field]!r}")
+
+
+def check_positive_ints(e: dict, at: str, names: tuple[str, ...]) -> None:
+    for f in names:
+        if isinstance(e[f], bool) or not isinstance(e[f], int) or e[f] < 1:
+            raise ValueError(f"{at}.{f}: expected an integer >= 1, found {e[f]!r}")
