@@ -503,19 +503,15 @@ def print_thresholds(ts: list[dict]) -> None:
         print(line)
 
 
-def rule_table(rows: list[dict], paths) -> dict:
-    """fusion_rule's table from these result files' rows: their machines and file names recorded."""
-    machines = [json.loads(Path(p).read_text()).get("machine") for p in paths]
-    keep = ("device", "date", "torch", "triton", "python")
-    return table_from_rows(rows, [{k: m.get(k) for k in keep} for m in machines if m], [Path(p).name for p in paths])
-
-
-def read_rows(paths) -> list[dict]:
-    rows = []
+def read_results(paths) -> tuple[list[dict], list[dict | None]]:
+    """(every row, each file's "machine") of these result files, each read once (a bare list of
+    rows has no machine: None)."""
+    rows, machines = [], []
     for p in paths:
         doc = json.loads(Path(p).read_text())
         rows += doc["rows"] if isinstance(doc, dict) else doc
-    return rows
+        machines.append(doc.get("machine") if isinstance(doc, dict) else None)
+    return rows, machines
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -568,9 +564,9 @@ def main(argv=None) -> int:
     if args.write_rule and not args.threshold:
         ap.error("--write-rule: needs --threshold RESULTS_JSON ...")
     if args.threshold:
-        rows = read_rows(args.threshold)
+        rows, machines = read_results(args.threshold)
         if args.write_rule:
-            table = rule_table(rows, args.threshold)
+            table = table_from_rows(rows, [m for m in machines if m], [Path(p).name for p in args.threshold])
             write_text(Path(args.write_rule), dump_table(table))
             print(f"wrote {args.write_rule}: {len(table['points'])} measured points "
                   f"({sum(p['fused_wins'] for p in table['points'])} where the fused kernel won); ship it as "
@@ -578,7 +574,6 @@ def main(argv=None) -> int:
         ts = crossover(rows)
         print_thresholds(ts)
         if args.json:
-            machines = [json.loads(Path(p).read_text()).get("machine") for p in args.threshold]
             write_results(args.json, {"machines": machines, "crossovers": ts})
             print(f"wrote {args.json}")
         return 0

@@ -44,6 +44,7 @@ CRITERION = ("fused_wins: the fused kernel's p80 time below the unfused path's p
 # dtypes measured under another's name: the same element size and the same kernel code
 _SAME_AS = {"float16": "bfloat16"}
 _POINT_FIELDS = ("kernel", "dim", "dtype", "M", "N", "K_total", "n", "speedup", "fused_wins")
+_MACHINE_FIELDS = ("device", "date", "torch", "triton", "python")   # of a bench result file's "machine"
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,9 @@ def _dtype_name(dtype) -> str:
 
 def table_from_rows(rows: list[dict], machines: list[dict], sources: list[str]) -> dict:
     """The shipped table's document from bench_fused_kernels rows (rows that raised or failed their
-    numerics check are left out); ValueError where one shape was measured twice."""
-    points, seen = [], {}
+    numerics check are left out) and the result files' "machine" objects (the fields that identify
+    the GPU and the versions are kept); ValueError where one shape was measured twice."""
+    points, seen = [], set()
     for r in rows:
         if "error" in r or r.get("check", "ok") != "ok":
             continue
@@ -74,10 +76,11 @@ def table_from_rows(rows: list[dict], machines: list[dict], sources: list[str]) 
         if key in seen:
             raise ValueError(f"rows: {dict(zip(_POINT_FIELDS[:7], key))} measured twice: "
                              "give one run's results per shape")
-        seen[key] = True
+        seen.add(key)
         points.append(p)
     points.sort(key=lambda p: tuple(p[f] for f in _POINT_FIELDS[:7]))
-    return {"format": 1, "measured_on": machines, "sources": sources, "criterion": CRITERION, "points": points}
+    measured_on = [{k: m.get(k) for k in _MACHINE_FIELDS} for m in machines]
+    return {"format": 1, "measured_on": measured_on, "sources": sources, "criterion": CRITERION, "points": points}
 
 
 def dump_table(doc: dict) -> str:
@@ -137,9 +140,9 @@ def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int 
         return Estimate(False, f"{kernel} was not measured for {want}, dim {dim} (auto fuses only where measured "
                                f"faster; bench/bench_fused_kernels.py --dtype/--dim measures it; fuse='always' "
                                f"forces the kernel)")
-    dist = {id(p): _distance(p, M, N, K_total, n) for p in mine}
-    best = min(dist.values())
-    near = [p for p in mine if dist[id(p)] <= best + 1e-9]
+    scored = [(_distance(p, M, N, K_total, n), p) for p in mine]
+    best = min(d for d, _ in scored)
+    near = [p for d, p in scored if d <= best + 1e-9]
     fused = all(p["fused_wins"] for p in near)
     evidence = "; ".join(f"{p['speedup']:.2f}x" + (" faster" if p["fused_wins"] else ", not faster") +
                          f" than unfused at {_shape(p)}" for p in near)

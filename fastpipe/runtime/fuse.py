@@ -28,7 +28,8 @@ graph; an all_gather->matmul group's weights are moved to the group's device.
 Policy: "off"; "auto" (default): fuse when every member is on one CUDA device and the fused
 kernel was measured faster at the shape (fastpipe.kernels.fusion_rule; the reason quotes the
 measurement); "always": fuse every match whose members share one device (on CPU the Triton
-kernels need TRITON_INTERPRET=1 - tests use that). Every group that could be fused gets a decision with its reason (Session.fusion, `fastpipe show --plan`).
+kernels need TRITON_INTERPRET=1 - tests use that). Every group that could be fused gets a
+decision with its reason (Session.fusion, `fastpipe show --plan`).
 
 Loading with check_payloads=False: checked.graphs decodes each payload at its first use, once per
 distinct payload, for binding and this pass alike (fastpipe.validate.lazy_graphs; nothing from the
