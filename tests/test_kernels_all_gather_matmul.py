@@ -92,6 +92,46 @@ def test_dim0_mixed_shard_layouts_and_tiny_tiles():
     assert_matches(all_gather_matmul(a, b, dim=0, config=cfg), a, b, 0)
 
 
+class _Launches:
+    """Stands in for agm._gather_rows_kernel: records each launch's grid, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_dim0_every_output_in_one_launch(monkeypatch, n):
+    """One launch computes all n outputs (grid axis 1 is the output): n launches one after another
+    would each fill only 1/n of the GPU at a decode's M, and wait for the one before."""
+    launches = _Launches(agm._gather_rows_kernel)
+    monkeypatch.setattr(agm, "_gather_rows_kernel", launches)
+    a, b = operands(n, 0, torch.float32, seed=7)
+    outs = all_gather_matmul(a, b, dim=0)
+    assert len(launches.grids) == 1 and launches.grids[0][1] == n, launches.grids
+    assert_matches(outs, a, b, 0)
+
+
+def test_dim0_outputs_of_different_widths():
+    """N_j of 16, 70 and 5 with 16-column tiles: the grid is sized for the widest (5 column tiles);
+    the programs past a narrower output's columns write nothing. The outputs are column blocks of
+    one NaN-filled buffer with a column between them, which must still be NaN afterwards."""
+    g = torch.Generator().manual_seed(8)
+    a = [torch.randn(9, 24, generator=g).to(DEV) for _ in range(3)]
+    b = [torch.randn(24, 16, generator=g).to(DEV), torch.randn(70, 24, generator=g).to(DEV).t(),
+         torch.randn(24, 5, generator=g).to(DEV)]
+    buf = torch.full((27, 16 + 70 + 5 + 3), float("nan"), device=DEV)
+    outs = [buf[:, 0:16], buf[:, 17:87], buf[:, 88:93]]            # [27, N_j] views, row stride 94
+    agm.launch_gather_rows(a, b, outs, KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1))
+    assert buf[:, [16, 87, 93]].isnan().all(), "a program wrote past its output's columns"
+    assert_matches([o.contiguous() for o in outs], a, b, 0)
+    # the public function, whose outputs are its own fresh tensors
+    assert [tuple(o.shape) for o in all_gather_matmul(a, b, dim=0)] == [(27, 16), (27, 70), (27, 5)]
+
+
 def test_dim1_noncontiguous_shards():
     g = torch.Generator().manual_seed(6)
     a = [torch.randn(19, 40, generator=g).t().to(DEV), torch.randn(40, 30, generator=g)[:, ::2].to(DEV)]

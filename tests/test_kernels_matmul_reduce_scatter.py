@@ -306,6 +306,21 @@ def test_hopper_config_heuristic(monkeypatch):
     assert (f32.block_m, f32.block_n, f32.block_k) == (128, 128, 32)
 
 
+def test_gather_rows_config_counts_every_output(monkeypatch):
+    """all_gather_matmul (dim 0) computes its n outputs in one launch: the heuristic fills the SMs
+    with the n outputs' tiles together, so at M 1024 and N_j 1024 (N = K 4096, n 4) it keeps
+    128-column tiles where one output alone would be cut to 32 (4x the launches' A reads)."""
+    monkeypatch.setattr(mrs, "interpreting", lambda: False)
+    monkeypatch.setattr(mrs, "_num_sms", lambda device: 132)
+    one = pick_config(1024, 1024, 4096, torch.bfloat16, "cuda", launcher="mm_sum", n=4)
+    grouped = pick_config(1024, 1024, 4096, torch.bfloat16, "cuda", launcher="gather_rows", n=4)
+    assert (one.block_m, one.block_n) == (128, 32)
+    assert (grouped.block_m, grouped.block_n) == (128, 128)
+    assert 4 * (1024 // 128) * (1024 // grouped.block_n) >= 132
+    # n 1: one output, the same rule as mm_sum
+    assert pick_config(1024, 1024, 4096, torch.bfloat16, "cuda", launcher="gather_rows", n=1) == one
+
+
 def test_kernel_config_validation():
     with pytest.raises(ValueError, match="power of two >= 16"):
         KernelConfig(8, 32, 32)
@@ -436,10 +451,11 @@ k1 = _mm_sum_kernel.warmup(
     1024, 4096 * 1024, 0.5, NPART=2, SPLIT_COLS=True, APPLY_SCALE=True, INPUT_PRECISION="ieee", DOT_F32=False,
     grid=(1,), **blocks)
 shards = [torch.empty(1000, 1024, dtype=bf) for _ in range(2)]
-c = torch.empty(2000, 2048, dtype=bf)
+c = [torch.empty(2000, 2048, dtype=bf) for _ in range(2)]
 k2 = _gather_rows_kernel.warmup(
-    tuple(shards), (1024, 1024), (1, 1), b[0], c, 1000, 2048, 1024, 1, 1024, 2048, 1, NPART=2, SAME_SAK=True,
-    ROW_ALIGN=16, INPUT_PRECISION="ieee", DOT_F32=False, grid=(1,), **blocks)
+    tuple(shards), (1024, 1024), (1, 1), tuple(b), (1, 1), (1024, 1024), tuple(c), (2048, 2048), (1, 1),
+    (2048, 2048), 1000, 1024, NPART=2, SAME_SAK=True, SAME_OUT=True, ROW_ALIGN=16, INPUT_PRECISION="ieee",
+    DOT_F32=False, grid=(1, 2), **blocks)
 for name, k in (("mm_sum", k1), ("gather_rows", k2)):
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     print(name, "wgmma" in ptx, ttgir.count("async_copy_global_to_local"), ttgir.count("tt.load "))

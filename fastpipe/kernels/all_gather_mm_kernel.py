@@ -8,12 +8,12 @@ participant needs the whole activation times its own weight columns ``b[j]``. Th
    unfused path (gather, then matmul) counted.
 2. ``_gather_rows_kernel`` (dim 0) -- the ``@triton.jit`` kernel: a tile's rows are read
    straight from the shard that holds them (a tile may span shards when M_i is not a
-   multiple of BLOCK_M; each row picks its own shard's pointer). dim 1 (shards along K)
-   is a sum of products over K-slices -- exactly the kernel of
-   :mod:`fastpipe.kernels.mm_reduce_scatter_kernel`, with ``b[j]`` cut into row slices
-   (views, no copies) and one plain output.
-3. :func:`all_gather_matmul` -- the launcher: validates, picks block sizes, one launch per
-   output j.
+   multiple of BLOCK_M; each row picks its own shard's pointer), and one launch computes
+   every output j (the grid's axis 1). dim 1 (shards along K) is a sum of products over
+   K-slices -- exactly the kernel of :mod:`fastpipe.kernels.mm_reduce_scatter_kernel`, with
+   ``b[j]`` cut into row slices (views, no copies) and one plain output.
+3. :func:`all_gather_matmul` -- the launcher: validates, picks block sizes; dim 0 in one
+   launch, dim 1 one launch per output j.
 4. :func:`all_gather_matmul_overlapped` -- for participants on different GPUs: participant
    j starts with its own shard and multiplies each other shard as it arrives (ring order),
    the copy of the next shard overlapping the current GEMM.
@@ -82,27 +82,54 @@ if triton is not None:
     @triton.jit
     def _gather_rows_kernel(
         A, SAM, SAK,             # tuples of NPART: shard pointers [M_SHARD, K] and their strides
-        B, C,                    # b[j]: [K, N], out_j: [NPART * M_SHARD, N]
-        M_SHARD, N, K,
-        stride_bk, stride_bn, stride_cm, stride_cn,
+        B, SBK, SBN,             # tuples of NPART: b[j] -> [K, N_j] and its strides
+        C, SCM, SCN,             # tuples of NPART: out_j -> [NPART * M_SHARD, N_j] and its strides
+        NS,                      # tuple of NPART: N_j
+        M_SHARD, K,
         NPART: tl.constexpr,
         SAME_SAK: tl.constexpr,  # every shard has the same K stride (then loads vectorize along K)
+        SAME_OUT: tl.constexpr,  # every b[j] and out_j have the same N_j and strides (read from [0], so
+                                 # Triton's specialization of a stride of 1 survives: vectorized loads)
         ROW_ALIGN: tl.constexpr, # bytes every row start is a multiple of (16, or 1: unknown)
         INPUT_PRECISION: tl.constexpr,
         DOT_F32: tl.constexpr,   # interpreter + bf16 only (see mm_reduce_scatter_kernel.dot_f32)
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        """C[tile] = cat(A; 0)[rows] @ B[:, cols]; row r comes from shard r // M_SHARD."""
+        """out_j[tile] = cat(A; 0)[rows] @ B[j][:, cols]; j = program_id(1), row r from shard r // M_SHARD.
+
+        One launch covers every output: axis 1 of the grid is j, axis 0 the tiles of an
+        [M, max N_j] output (programs past their own N_j return at once)."""
+        j = tl.program_id(1)
+        # this program's output: b[j], out_j and their shape, picked from the tuples (static unroll)
+        b_base = B[0]
+        c_base = C[0]
+        for s in tl.static_range(1, NPART):
+            b_base = tl.where(j == s, B[s], b_base)
+            c_base = tl.where(j == s, C[s], c_base)
+        if SAME_OUT:
+            N = NS[0]
+            sbk, sbn, scm, scn = SBK[0], SBN[0], SCM[0], SCN[0]
+        else:
+            N, sbk, sbn, scm, scn = NS[0], SBK[0], SBN[0], SCM[0], SCN[0]
+            for s in tl.static_range(1, NPART):
+                N = tl.where(j == s, NS[s], N)
+                sbk = tl.where(j == s, SBK[s], sbk)
+                sbn = tl.where(j == s, SBN[s], sbn)
+                scm = tl.where(j == s, SCM[s], scm)
+                scn = tl.where(j == s, SCN[s], scn)
+
         M = M_SHARD * NPART
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_pid_n = tl.num_programs(0) // num_pid_m   # the grid's column tiles: of the largest N_j
         num_pid_in_group = GROUP_M * num_pid_n
         group_id = pid // num_pid_in_group
         first_pid_m = group_id * GROUP_M
         group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
         pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
         pid_n = (pid % num_pid_in_group) // group_size_m
+        if pid_n * BLOCK_N >= N:   # past this output's columns (only where the N_j differ)
+            return
 
         rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # wrapped: loads need no row mask
         shard = rows // M_SHARD
@@ -126,7 +153,7 @@ if triton is not None:
             a_ptrs = a_rows[:, None] + offs_k[None, :] * sak[:, None]
             a_step = BLOCK_K * sak[:, None]
         offs_bn = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
-        b_ptrs = B + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
+        b_ptrs = b_base + (offs_k[:, None] * sbk + offs_bn[None, :] * sbn)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -138,12 +165,12 @@ if triton is not None:
                 b_t = b_t.to(tl.float32)
             acc = tl.dot(a_t, b_t, acc, input_precision=INPUT_PRECISION)
             a_ptrs += a_step
-            b_ptrs += BLOCK_K * stride_bk
+            b_ptrs += BLOCK_K * sbk
 
-        c_t = acc.to(C.dtype.element_ty)
+        c_t = acc.to(C[0].dtype.element_ty)
         offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_ptrs = C + (offs_cm.to(tl.int64)[:, None] * stride_cm + offs_cn.to(tl.int64)[None, :] * stride_cn)
+        c_ptrs = c_base + (offs_cm.to(tl.int64)[:, None] * scm + offs_cn.to(tl.int64)[None, :] * scn)
         tl.store(c_ptrs, c_t, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
 
 else:  # pragma: no cover
@@ -154,27 +181,37 @@ else:  # pragma: no cover
 # 3. launcher
 # ---------------------------------------------------------------------------
 
-def launch_gather_rows(a: Sequence[Tensor], bj: Tensor, out: Tensor, config: KernelConfig | None = None) -> Tensor:
-    """out <- cat(a; 0) @ bj with one launch (operands already validated); out: [n*M_i, N] any strides."""
+def launch_gather_rows(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[Tensor],
+                       config: KernelConfig | None = None) -> None:
+    """outs[j] <- cat(a; 0) @ b[j] for every j, in ONE launch (operands already validated).
+
+    a[i]: [M_i, K]; b[j]: [K, N_j]; outs[j]: [n*M_i, N_j], any strides. The grid's axis 1 is j, so
+    the n outputs' tiles share the GPU's SMs at once (n launches one after another would each
+    leave most SMs idle at a decode's M, and wait for the previous one)."""
     what = "all_gather_matmul"
-    _require_launchable(what, out.device)
+    _require_launchable(what, outs[0].device)
     ms, K = a[0].shape
-    M, N = out.shape
-    if M == 0 or N == 0:
-        return out
-    cfg = config or pick_config(M, N, K, bj.dtype, out.device, launcher="gather_rows", n=len(a))
+    M = outs[0].shape[0]
+    ns = [int(o.shape[1]) for o in outs]
+    nmax = max(ns)
+    if M == 0 or nmax == 0:
+        return
+    # pick_config sees one output's [M, max N_j] and n: the grid holds n of them (see its docstring)
+    cfg = config or pick_config(M, nmax, K, b[0].dtype, outs[0].device, launcher="gather_rows", n=len(a))
     saks = tuple(x.stride(1) for x in a)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    with device_guard(out.device):  # Triton launches on the current device, not the tensors'
+    shapes = {(nj, bj.stride(), o.stride()) for nj, bj, o in zip(ns, b, outs)}
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(nmax, cfg.block_n), len(outs))
+    with device_guard(outs[0].device):  # Triton launches on the current device, not the tensors'
         _gather_rows_kernel[grid](
             tuple(a), tuple(x.stride(0) for x in a), saks,
-            bj, out, ms, N, K, bj.stride(0), bj.stride(1), out.stride(0), out.stride(1),
-            NPART=len(a), SAME_SAK=len(set(saks)) == 1, ROW_ALIGN=_row_align(a),
-            INPUT_PRECISION=_input_precision(bj.dtype), DOT_F32=dot_f32(bj.dtype),
+            tuple(b), tuple(x.stride(0) for x in b), tuple(x.stride(1) for x in b),
+            tuple(outs), tuple(o.stride(0) for o in outs), tuple(o.stride(1) for o in outs), tuple(ns),
+            ms, K,
+            NPART=len(a), SAME_SAK=len(set(saks)) == 1, SAME_OUT=len(shapes) == 1, ROW_ALIGN=_row_align(a),
+            INPUT_PRECISION=_input_precision(b[0].dtype), DOT_F32=dot_f32(b[0].dtype),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    return out
 
 
 def _row_align(a: Sequence[Tensor]) -> int:
@@ -186,10 +223,11 @@ def _row_align(a: Sequence[Tensor]) -> int:
 
 def all_gather_matmul(a: Sequence[Tensor], b: Sequence[Tensor], dim: int = 0, *,
                       config: KernelConfig | None = None) -> list[Tensor]:
-    """[cat(a; dim) @ b[j] for j = 0..n-1], never materializing cat(a): one launch per j.
+    """[cat(a; dim) @ b[j] for j = 0..n-1], never materializing cat(a).
 
     dim 0: a[i]: [M_i, K] (equal M_i), b[j]: [K, N_j] -> out_j: [n*M_i, N_j]; each tile's
-    rows are loaded from the shard holding them. dim 1 (-1): a[i]: [M, K_i], b[j]:
+    rows are loaded from the shard holding them, and all n outputs come from one launch (their
+    tiles share the SMs). dim 1 (-1): a[i]: [M, K_i], b[j]:
     [sum K_i, N_j] -> out_j: [M, N_j]; each K-slice is read from its shard and multiplied by
     the matching rows of b[j] (a view). Any strides; everything on one device; 1 <= n <= 8.
     Returns fresh contiguous tensors in the input dtype. ``config`` overrides pick_config.
@@ -198,14 +236,12 @@ def all_gather_matmul(a: Sequence[Tensor], b: Sequence[Tensor], dim: int = 0, *,
     dim, M, K, ns = _check_operands(what, a, b, dim, same_device=True)
     device = a[0].device
     _require_launchable(what, device)
-    outs = []
-    for bj, nj in zip(b, ns):
-        out = torch.empty(M, nj, dtype=bj.dtype, device=device)
-        if dim == 0:
-            launch_gather_rows(a, bj, out, config)
-        else:
+    outs = [torch.empty(M, nj, dtype=bj.dtype, device=device) for bj, nj in zip(b, ns)]
+    if dim == 0:
+        launch_gather_rows(a, b, outs, config)
+    else:
+        for bj, out in zip(b, outs):
             launch_mm_sum(a, _k_slices(a, bj), out, config=config, what=what)
-        outs.append(out)
     return outs
 
 

@@ -217,7 +217,8 @@ def _pow2_clamp(x: int, lo: int, hi: int) -> int:
 def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str = "cuda", *,
                 launcher: str = "mm_sum", n: int = 1) -> KernelConfig:
     """Block sizes for an [M, K] x [K, N] sum of products (K = the longest participant's K; n
-    participants; launcher: the kernel, "mm_sum" or "gather_rows").
+    participants; launcher: the kernel, "mm_sum" or "gather_rows"). A gather_rows launch computes
+    n such outputs at once (N: the widest one), so its grid has n times the tiles of one.
 
     On a GPU, a config measured for this GPU, dtype, N, K and n comes first
     (fastpipe.kernels.tuned: the table ``bench/bench_fused_kernels.py --tune`` and
@@ -230,7 +231,8 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
       ``BLOCK_K`` is 64, or 128 when BLOCK_M <= 64: small M is bound by reading B, and a
       longer K step keeps more bytes in flight per stage. ``BLOCK_N`` starts at 256 (with
       BLOCK_M 128) or 128, and halves (down to 32) while the grid would leave SMs idle --
-      there is no split-K (the tile is written once), so parallelism comes from N tiles.
+      there is no split-K (the tile is written once), so parallelism comes from N tiles
+      (gather_rows: from the n outputs' N tiles together).
       ``num_warps`` 8 for tiles of >= 128x128, else 4; ``num_stages`` 3 for 128x256 tiles
       (3 x 48 KiB of shared memory), else 4.
     * float32 on a GPU: 128x128x32 (64x128 for M <= 64), 8 warps, 3 stages -- fp32 tiles
@@ -257,7 +259,8 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
     bm = _pow2_clamp(M, 16, 128)
     bk = 64 if bm == 128 else 128
     bn = 256 if bm == 128 else 128
-    while bn > 32 and -(-M // bm) * -(-N // bn) < sms:
+    outputs = n if launcher == "gather_rows" else 1       # one launch, n outputs' tiles
+    while bn > 32 and outputs * -(-M // bm) * -(-N // bn) < sms:
         bn //= 2
     num_warps = 8 if bm * bn >= 128 * 128 else 4
     num_stages = 3 if bm * bn >= 128 * 256 else 4
