@@ -84,7 +84,8 @@ from bench.machine import machine_info  # noqa: E402
 from fastpipe import comm  # noqa: E402
 from fastpipe.atomic import write_text  # noqa: E402
 from fastpipe.kernels import KernelConfig, all_gather_matmul, fused_is_faster, matmul_reduce_scatter  # noqa: E402
-from fastpipe.kernels.fusion_rule import dump_table, fused_wins, table_from_rows  # noqa: E402
+from fastpipe.kernels.fusion_rule import (  # noqa: E402
+    KERNEL_REVISIONS, dump_table, fused_wins, newest_rows, table_from_rows)
 from tests.tensor_compare import error_ratio  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -316,7 +317,8 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | No
     if made is None:
         return {}
     a, b, fns, split, k_total, N = made
-    row = {**case_key(kernel, M, NK, n, dim, dtype), "N": N, "K_total": k_total}
+    row = {**case_key(kernel, M, NK, n, dim, dtype), "N": N, "K_total": k_total,
+           "kernel_revision": KERNEL_REVISIONS[kernel]}
     row["first_call_ms"] = first_call_ms(fns["fused"], device)
     with timed_forms(fns, device, eager) as (forms, row["timing"]):
         if check:
@@ -480,8 +482,15 @@ def crossover(rows: list[dict], rule=shipped_rule) -> list[dict]:
         out.append({"kernel": kernel, "dim": dim, "dtype": dtype, "N": N, "K_total": k_total, "n": n, "min_M": min_m,
                     "speedup_by_M": {r["M"]: round(r["speedup"], 3) for r in rs},
                     "fused_vs_torch_mm_by_M": {r["M"]: round(r["torch.mm_ms"] / r["fused_ms"], 3) for r in rs},
-                    "rule_agrees": all(rule(r) == w for r, w in zip(rs, wins))})
+                    "rule_agrees": all(rule(r) == w for r, w in zip(rs, wins)),
+                    "revisions": sorted({r.get("kernel_revision", 1) for r in rs})})
     return out
+
+
+def _stale(t: dict) -> str:
+    now = KERNEL_REVISIONS[t["kernel"]]
+    old = [r for r in t.get("revisions", [now]) if r != now]
+    return f"  [stale: revision {', '.join(map(str, old))} of the kernel, now {now}]" if old else ""
 
 
 def print_thresholds(ts: list[dict]) -> None:
@@ -489,7 +498,8 @@ def print_thresholds(ts: list[dict]) -> None:
     for t in ts:
         sp = ", ".join(f"M={m}: {s:.2f}x" for m, s in t["speedup_by_M"].items())
         print(f"  {t['kernel']} dim {t['dim']} {t['dtype']} N={t['N']} K_total={t['K_total']} n={t['n']}: "
-              f"min_M={t['min_M']}  ({sp}; the shipped rule {'agrees' if t['rule_agrees'] else 'DISAGREES'})")
+              f"min_M={t['min_M']}  ({sp}; the shipped rule {'agrees' if t['rule_agrees'] else 'DISAGREES'})"
+              + _stale(t))
     for kernel in KERNELS:
         ks = [t for t in ts if t["kernel"] == kernel]
         if not ks:
@@ -571,7 +581,7 @@ def main(argv=None) -> int:
             print(f"wrote {args.write_rule}: {len(table['points'])} measured points "
                   f"({sum(p['fused_wins'] for p in table['points'])} where the fused kernel won); ship it as "
                   "fastpipe/kernels/fusion_measured.json")
-        ts = crossover(rows)
+        ts = crossover(newest_rows(measured(rows)))
         print_thresholds(ts)
         if args.json:
             write_results(args.json, {"machines": machines, "crossovers": ts})

@@ -10,7 +10,8 @@ import torch
 
 from fastpipe.kernels import fused_is_faster
 from fastpipe.kernels import fusion_rule
-from fastpipe.kernels.fusion_rule import dump_table, estimate, fused_wins, parse_table, table_from_rows
+from fastpipe.kernels.fusion_rule import (
+    dump_table, estimate, fused_wins, newest_rows, parse_table, table_from_rows)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = json.loads(fusion_rule.PACKAGED.read_text())
@@ -114,12 +115,52 @@ def test_table_from_rows_drops_failed_rows_and_refuses_duplicates():
         table_from_rows([good, dict(good)], [], ["x.json"])
 
 
+def test_a_newer_revision_of_a_kernel_replaces_the_older_measurement():
+    """A new run of one kernel merges with the older file: per shape the newer revision's row wins,
+    whichever file comes first; two rows of one revision at a shape are refused."""
+    old = dict(ROWS[0])                                              # no kernel_revision: revision 1
+    new = {**old, "kernel_revision": 2, "speedup": 2.0, "fused_p80": 0.1, "unfused_p20": 1.0}
+    other = dict(ROWS[1])
+    for rows in ([old, new, other], [new, other, old]):
+        kept = newest_rows(rows)
+        assert len(kept) == 2 and new in kept and other in kept
+        doc = table_from_rows(rows, [], ["old.json", "new.json"])
+        p = next(p for p in doc["points"] if p["M"] == old["M"] and p["n"] == old["n"] and p["N"] == old["N"])
+        assert (p["revision"], p["speedup"], p["fused_wins"]) == (2, 2.0, True)
+    with pytest.raises(ValueError, match="measured twice with revision 2"):
+        newest_rows([new, dict(new)])
+
+
+def test_a_point_of_an_older_kernel_revision_still_decides_and_says_it_is_stale(monkeypatch):
+    """The shipped points record revision 1 (the H200 run predates revisions); a kernel changed since
+    keeps the measured decision, and the reason says the measurement is stale and what changed."""
+    assert {p["revision"] for p in SHIPPED["points"]} == {1}
+    r = next(r for r in ROWS if r["kernel"] == MRS and r["M"] == 16)
+    args = (MRS, r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16)
+    monkeypatch.setitem(fusion_rule.KERNEL_REVISIONS, MRS, 1)
+    assert "stale" not in estimate(*args).reason
+    monkeypatch.setitem(fusion_rule.KERNEL_REVISIONS, MRS, 3)
+    monkeypatch.setitem(fusion_rule.REVISION_CHANGES, (MRS, 3), "split-K at small M")
+    e = estimate(*args)
+    assert e.fused == fused_wins(r)
+    assert e.reason.endswith("; stale: measured with revision 1 of the kernel, which is now revision 3 "
+                             "(split-K at small M): `scripts/gpu_check.sh fused` measures it again"), e.reason
+
+
+def test_every_kernel_revision_says_what_changed():
+    for kernel, now in fusion_rule.KERNEL_REVISIONS.items():
+        assert kernel in fusion_rule.KERNELS
+        for rev in range(2, now + 1):
+            assert fusion_rule.REVISION_CHANGES.get((kernel, rev)), (kernel, rev)
+
+
 @pytest.mark.parametrize("doc, where", [
     ({"format": 2, "points": []}, "t.json: expected"),
     ({"format": 1, "points": [{"kernel": MRS}]}, "t.json: points\\[0\\]: expected an object with"),
     ({"format": 1, "points": [{**SHIPPED["points"][0], "kernel": "gemm"}]}, "t.json: points\\[0\\].kernel"),
     ({"format": 1, "points": [{**SHIPPED["points"][0], "M": -1}]}, "t.json: points\\[0\\].M: expected an integer >= 1"),
     ({"format": 1, "points": [{**SHIPPED["points"][0], "fused_wins": "yes"}]}, "t.json: points\\[0\\].fused_wins"),
+    ({"format": 1, "points": [{**SHIPPED["points"][0], "revision": 0}]}, "t.json: points\\[0\\].revision: expected"),
 ])
 def test_a_bad_table_names_the_field(doc, where):
     with pytest.raises(ValueError, match=f"^{where}"):

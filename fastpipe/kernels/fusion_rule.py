@@ -9,7 +9,8 @@ bench/measured/)::
     {"format": 1, "measured_on": [{"device": "NVIDIA H200", "date": ..., "torch": ..., "triton": ...}],
      "sources": ["fused_h200_2026-11-26.json"], "criterion": "...",
      "points": [{"kernel": "matmul_reduce_scatter", "dim": 0, "dtype": "bfloat16",
-                 "M": 16, "N": 4096, "K_total": 8192, "n": 2, "speedup": 1.294, "fused_wins": true}, ...]}
+                 "M": 16, "N": 4096, "K_total": 8192, "n": 2, "speedup": 1.294, "fused_wins": true,
+                 "revision": 1}, ...]}
 
 A point's ``fused_wins`` is true only where the win is outside the timing noise: the fused
 kernel's 80th-percentile time below the unfused path's 20th percentile (``fused_wins(row)``).
@@ -22,6 +23,11 @@ where several points are equally near, it fuses only if all of them won. So betw
 measured M the nearer one (in log scale) decides, and beyond the measured grid the edge does:
 M = 1 takes M = 16's decision. No point for the kernel, dim and dtype (float32, say, or
 dim 1 before anyone measured it): not fused, and the reason says what to measure.
+
+A point also records the revision of the kernel it timed (``KERNEL_REVISIONS`` below, bumped by
+any change to a kernel or its launch that can change its speed; a bench row without one predates
+them: revision 1). A point of an older revision still decides -- it is the only measurement there
+is -- and its reason says that it is stale and what changed since.
 
 Every decision comes with its evidence (``estimate(...).reason``): the point it took, its speedup
 and the GPU that measured it. The table was measured on one GPU model; on another the same table
@@ -41,9 +47,16 @@ KERNELS = ("matmul_reduce_scatter", "all_gather_matmul")
 PACKAGED = Path(__file__).with_name("fusion_measured.json")
 CRITERION = ("fused_wins: the fused kernel's p80 time below the unfused path's p20 "
              "(bench/bench_fused_kernels.py, CUDA-graph replays); the nearest point in log2(M, N, K_total, n) decides")
+# The kernels' revisions, as bench rows record them (kernel_revision), and what each change did
+KERNEL_REVISIONS = {"matmul_reduce_scatter": 1, "all_gather_matmul": 2}
+REVISION_CHANGES = {
+    ("all_gather_matmul", 2): "since 2026-11-26 it computes dim 0's n outputs in one launch, not n one "
+                              "after another",
+}
 # dtypes measured under another's name: the same element size and the same kernel code
 _SAME_AS = {"float16": "bfloat16"}
-_POINT_FIELDS = ("kernel", "dim", "dtype", "M", "N", "K_total", "n", "speedup", "fused_wins")
+_SHAPE_FIELDS = ("kernel", "dim", "dtype", "M", "N", "K_total", "n")
+_POINT_FIELDS = (*_SHAPE_FIELDS, "speedup", "fused_wins", "revision")
 _MACHINE_FIELDS = ("device", "date", "torch", "triton", "python")   # of a bench result file's "machine"
 
 
@@ -62,23 +75,32 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def newest_rows(rows: list[dict]) -> list[dict]:
+    """bench_fused_kernels rows, one per shape (kernel, dim, dtype, M, N, K_total, n): where a shape was
+    measured with two revisions of its kernel, the newer one's row (so a new run of one kernel merges
+    with an older file); ValueError where one shape has two rows of the same revision."""
+    by_shape: dict[tuple, dict] = {}
+    for r in rows:
+        key = tuple(r[f] for f in _SHAPE_FIELDS)
+        had = by_shape.get(key)
+        rev = r.get("kernel_revision", 1)
+        if had is not None and had.get("kernel_revision", 1) == rev:
+            raise ValueError(f"rows: {dict(zip(_SHAPE_FIELDS, key))} measured twice with revision {rev} of the "
+                             "kernel: give one run's results per shape")
+        if had is None or had.get("kernel_revision", 1) < rev:
+            by_shape[key] = r
+    return list(by_shape.values())
+
+
 def table_from_rows(rows: list[dict], machines: list[dict], sources: list[str]) -> dict:
     """The shipped table's document from bench_fused_kernels rows (rows that raised or failed their
-    numerics check are left out) and the result files' "machine" objects (the fields that identify
-    the GPU and the versions are kept); ValueError where one shape was measured twice."""
-    points, seen = [], set()
-    for r in rows:
-        if "error" in r or r.get("check", "ok") != "ok":
-            continue
-        p = {"kernel": r["kernel"], "dim": r["dim"], "dtype": r["dtype"], "M": r["M"], "N": r["N"],
-             "K_total": r["K_total"], "n": r["n"], "speedup": round(r["speedup"], 3), "fused_wins": fused_wins(r)}
-        key = tuple(p[f] for f in _POINT_FIELDS[:7])
-        if key in seen:
-            raise ValueError(f"rows: {dict(zip(_POINT_FIELDS[:7], key))} measured twice: "
-                             "give one run's results per shape")
-        seen.add(key)
-        points.append(p)
-    points.sort(key=lambda p: tuple(p[f] for f in _POINT_FIELDS[:7]))
+    numerics check are left out; one per shape, the newest revision's: ``newest_rows``) and the result
+    files' "machine" objects (the fields that identify the GPU and the versions are kept)."""
+    timed = [r for r in rows if "error" not in r and r.get("check", "ok") == "ok"]
+    points = [{"kernel": r["kernel"], "dim": r["dim"], "dtype": r["dtype"], "M": r["M"], "N": r["N"],
+               "K_total": r["K_total"], "n": r["n"], "speedup": round(r["speedup"], 3), "fused_wins": fused_wins(r),
+               "revision": r.get("kernel_revision", 1)} for r in newest_rows(timed)]
+    points.sort(key=lambda p: tuple(p[f] for f in _SHAPE_FIELDS))
     measured_on = [{k: m.get(k) for k in _MACHINE_FIELDS} for m in machines]
     return {"format": 1, "measured_on": measured_on, "sources": sources, "criterion": CRITERION, "points": points}
 
@@ -95,7 +117,7 @@ def parse_table(doc, where: str) -> list[dict]:
     points = []
     for at, p in entries(doc, where, "points", _POINT_FIELDS):
         check_choice(p, at, "kernel", KERNELS)
-        check_positive_ints(p, at, ("M", "N", "K_total", "n"))
+        check_positive_ints(p, at, ("M", "N", "K_total", "n", "revision"))
         if not isinstance(p["fused_wins"], bool):
             raise ValueError(f"{at}.fused_wins: expected true or false, found {p['fused_wins']!r}")
         points.append(p)
@@ -149,7 +171,19 @@ def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int 
     also = f" ({want} uses the {as_dtype} measurement)" if as_dtype != want else ""
     exact = best == 0.0
     at = "measured at this shape" if exact else f"the nearest measured shape{'s' if len(near) > 1 else ''}"
-    return Estimate(fused, f"{at}: {evidence}, {as_dtype} dim {dim}, on {where}{also}")
+    return Estimate(fused, f"{at}: {evidence}, {as_dtype} dim {dim}, on {where}{also}{_staleness(kernel, near)}")
+
+
+def _staleness(kernel: str, near: list[dict]) -> str:
+    """'' where the points timed the kernel as it is now; else what changed since they were measured."""
+    now = KERNEL_REVISIONS[kernel]
+    old = sorted({p["revision"] for p in near if p["revision"] != now})
+    if not old:
+        return ""
+    changes = "; ".join(REVISION_CHANGES[(kernel, r)] for r in range(max(old) + 1, now + 1)
+                        if (kernel, r) in REVISION_CHANGES)
+    return (f"; stale: measured with revision {', '.join(map(str, old))} of the kernel, which is now "
+            f"revision {now} ({changes}): `scripts/gpu_check.sh fused` measures it again")
 
 
 def fused_is_faster(M: int, N: int, K_total: int, n: int, dtype, *, kernel: str, dim: int = 0) -> bool:
