@@ -22,6 +22,10 @@ Shapes: dim 0 -- ``a[i]: [M_i, K]`` (equal M_i), ``b[j]: [K, N_j]``, ``out_j: [n
 dim 1 (or -1) -- ``a[i]: [M, K_i]`` (K_i may differ), ``b[j]: [sum K_i, N_j]``,
 ``out_j: [M, N_j]``. N_j may differ between participants. dtypes float32, bfloat16,
 float16; float32 accumulation, output in the input dtype.
+
+A change here that can change the kernel's speed bumps its revision in
+``fastpipe.kernels.fusion_rule.KERNEL_REVISIONS`` (with a line in ``REVISION_CHANGES``): the
+fusion rule's measured points then say they timed an older kernel.
 """
 from __future__ import annotations
 

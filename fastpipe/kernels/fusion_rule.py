@@ -180,7 +180,7 @@ def _staleness(kernel: str, near: list[dict]) -> str:
     old = sorted({p["revision"] for p in near if p["revision"] != now})
     if not old:
         return ""
-    changes = "; ".join(REVISION_CHANGES[(kernel, r)] for r in range(max(old) + 1, now + 1)
+    changes = "; ".join(REVISION_CHANGES[(kernel, r)] for r in range(min(old) + 1, now + 1)
                         if (kernel, r) in REVISION_CHANGES)
     return (f"; stale: measured with revision {', '.join(map(str, old))} of the kernel, which is now "
             f"revision {now} ({changes}): `scripts/gpu_check.sh fused` measures it again")

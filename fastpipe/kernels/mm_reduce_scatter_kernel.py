@@ -31,6 +31,10 @@ Triton features used: tuple kernel arguments (one pointer/stride/K per participa
 indexed under ``tl.static_range``; Triton >= 3.2), ``tl.dot(..., input_precision=)``
 (Triton >= 3.0). Both run under ``TRITON_INTERPRET=1``, which is how the tests run the
 kernel on CPU tensors.
+
+A change here that can change the kernel's speed bumps its revision in
+``fastpipe.kernels.fusion_rule.KERNEL_REVISIONS`` (with a line in ``REVISION_CHANGES``): the
+fusion rule's measured points then say they timed an older kernel.
 """
 from __future__ import annotations
 
