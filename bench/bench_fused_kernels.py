@@ -85,7 +85,7 @@ from fastpipe import comm  # noqa: E402
 from fastpipe.atomic import write_text  # noqa: E402
 from fastpipe.kernels import KernelConfig, all_gather_matmul, fused_is_faster, matmul_reduce_scatter  # noqa: E402
 from fastpipe.kernels.fusion_rule import (  # noqa: E402
-    KERNEL_REVISIONS, dump_table, fused_wins, newest_rows, table_from_rows)
+    KERNEL_REVISIONS, dump_table, fused_wins, newest_rows, row_revision, stale_revisions, table_from_rows)
 from tests.tensor_compare import error_ratio  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -483,14 +483,14 @@ def crossover(rows: list[dict], rule=shipped_rule) -> list[dict]:
                     "speedup_by_M": {r["M"]: round(r["speedup"], 3) for r in rs},
                     "fused_vs_torch_mm_by_M": {r["M"]: round(r["torch.mm_ms"] / r["fused_ms"], 3) for r in rs},
                     "rule_agrees": all(rule(r) == w for r, w in zip(rs, wins)),
-                    "revisions": sorted({r.get("kernel_revision", 1) for r in rs})})
+                    "revisions": sorted({row_revision(r) for r in rs})})
     return out
 
 
 def _stale(t: dict) -> str:
-    now = KERNEL_REVISIONS[t["kernel"]]
-    old = [r for r in t.get("revisions", [now]) if r != now]
-    return f"  [stale: revision {', '.join(map(str, old))} of the kernel, now {now}]" if old else ""
+    old = stale_revisions(t["kernel"], t.get("revisions", ()))
+    return f"  [stale: revision {', '.join(map(str, old))} of the kernel, now {KERNEL_REVISIONS[t['kernel']]}]" \
+        if old else ""
 
 
 def print_thresholds(ts: list[dict]) -> None:

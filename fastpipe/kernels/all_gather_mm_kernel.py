@@ -105,17 +105,12 @@ if triton is not None:
         [M, max N_j] output (programs past their own N_j return at once)."""
         j = tl.program_id(1)
         # this program's output: b[j], out_j and their shape, picked from the tuples (static unroll)
-        b_base = B[0]
-        c_base = C[0]
+        b_base, c_base = B[0], C[0]
+        N, sbk, sbn, scm, scn = NS[0], SBK[0], SBN[0], SCM[0], SCN[0]
         for s in tl.static_range(1, NPART):
             b_base = tl.where(j == s, B[s], b_base)
             c_base = tl.where(j == s, C[s], c_base)
-        if SAME_OUT:
-            N = NS[0]
-            sbk, sbn, scm, scn = SBK[0], SBN[0], SCM[0], SCN[0]
-        else:
-            N, sbk, sbn, scm, scn = NS[0], SBK[0], SBN[0], SCM[0], SCN[0]
-            for s in tl.static_range(1, NPART):
+            if not SAME_OUT:
                 N = tl.where(j == s, NS[s], N)
                 sbk = tl.where(j == s, SBK[s], sbk)
                 sbn = tl.where(j == s, SBN[s], sbn)

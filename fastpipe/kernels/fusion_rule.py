@@ -83,13 +83,22 @@ def newest_rows(rows: list[dict]) -> list[dict]:
     for r in rows:
         key = tuple(r[f] for f in _SHAPE_FIELDS)
         had = by_shape.get(key)
-        rev = r.get("kernel_revision", 1)
-        if had is not None and had.get("kernel_revision", 1) == rev:
-            raise ValueError(f"rows: {dict(zip(_SHAPE_FIELDS, key))} measured twice with revision {rev} of the "
-                             "kernel: give one run's results per shape")
-        if had is None or had.get("kernel_revision", 1) < rev:
+        if had is None or row_revision(had) < row_revision(r):
             by_shape[key] = r
+        elif row_revision(had) == row_revision(r):
+            raise ValueError(f"rows: {dict(zip(_SHAPE_FIELDS, key))} measured twice with revision "
+                             f"{row_revision(r)} of the kernel: give one run's results per shape")
     return list(by_shape.values())
+
+
+def row_revision(row: dict) -> int:
+    """The kernel revision a bench row timed (rows written before revisions existed: 1)."""
+    return row.get("kernel_revision", 1)
+
+
+def stale_revisions(kernel: str, revisions) -> list[int]:
+    """Those of these revisions that are not the kernel's current one, sorted."""
+    return sorted({r for r in revisions if r != KERNEL_REVISIONS[kernel]})
 
 
 def table_from_rows(rows: list[dict], machines: list[dict], sources: list[str]) -> dict:
@@ -99,7 +108,7 @@ def table_from_rows(rows: list[dict], machines: list[dict], sources: list[str]) 
     timed = [r for r in rows if "error" not in r and r.get("check", "ok") == "ok"]
     points = [{"kernel": r["kernel"], "dim": r["dim"], "dtype": r["dtype"], "M": r["M"], "N": r["N"],
                "K_total": r["K_total"], "n": r["n"], "speedup": round(r["speedup"], 3), "fused_wins": fused_wins(r),
-               "revision": r.get("kernel_revision", 1)} for r in newest_rows(timed)]
+               "revision": row_revision(r)} for r in newest_rows(timed)]
     points.sort(key=lambda p: tuple(p[f] for f in _SHAPE_FIELDS))
     measured_on = [{k: m.get(k) for k in _MACHINE_FIELDS} for m in machines]
     return {"format": 1, "measured_on": measured_on, "sources": sources, "criterion": CRITERION, "points": points}
@@ -177,7 +186,7 @@ def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int 
 def _staleness(kernel: str, near: list[dict]) -> str:
     """'' where the points timed the kernel as it is now; else what changed since they were measured."""
     now = KERNEL_REVISIONS[kernel]
-    old = sorted({p["revision"] for p in near if p["revision"] != now})
+    old = stale_revisions(kernel, (p["revision"] for p in near))
     if not old:
         return ""
     changes = "; ".join(REVISION_CHANGES[(kernel, r)] for r in range(min(old) + 1, now + 1)
