@@ -53,12 +53,15 @@ times the fastest again in full and checks it (--check); --write-tuned turns the
 the heuristic by more than 3% into fastpipe.kernels.tuned's table, which pick_config consults first
 on that GPU (the "fused" column of a later run then times the tuned kernel).
 
---threshold reads result files and prints, per (kernel, N, K_total, n, dtype), the measured
+--threshold reads result files and prints, per (GPU, kernel, N, K_total, n, dtype), the measured
 crossover: the smallest M from which the fused kernel beat the unfused path (beyond the noise:
 fusion_rule.fused_wins) at every measured M (``crossover``), and whether the shipped rule agrees
-at every M; with --json it writes them. With --write-rule PATH it also writes the runtime's rule
-table from those rows (fusion_rule.table_from_rows): ship it as
-fastpipe/kernels/fusion_measured.json. Without CUDA the script refuses to time, except --smoke
+at every M (on that GPU); with --json it writes them. With --write-rule PATH it also writes the
+runtime's rule table from those rows (fusion_rule.table_from_rows): ship it as
+fastpipe/kernels/fusion_measured.json. Every row names its GPU (``device``; older files: their
+machine.device), and the table keeps one point per GPU and shape: list every GPU's results, the
+oldest first (on one GPU, a shape's newer kernel revision wins, and at the same revision the later
+file's row). Without CUDA the script refuses to time, except --smoke
 (tiny sizes, TRITON_INTERPRET=1 on CPU, timings meaningless).
 """
 from __future__ import annotations
@@ -85,7 +88,8 @@ from fastpipe import comm  # noqa: E402
 from fastpipe.atomic import write_text  # noqa: E402
 from fastpipe.kernels import KernelConfig, all_gather_matmul, fused_is_faster, matmul_reduce_scatter  # noqa: E402
 from fastpipe.kernels.fusion_rule import (  # noqa: E402
-    KERNEL_REVISIONS, dump_table, fused_wins, newest_rows, row_revision, stale_revisions, table_from_rows)
+    KERNEL_REVISIONS, dump_table, fused_wins, gpu_name, newest_rows, row_revision, rows_of, stale_revisions,
+    table_from_rows)
 from tests.tensor_compare import error_ratio  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -340,7 +344,7 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | No
             row[f"{name}_of_peak"] = row[f"{name}_tflops"] / peak if peak else None
     row["peak_tflops"] = peak
     row["speedup"] = row["unfused_ms"] / row["fused_ms"]
-    row["rule_says_fused"] = fused_is_faster(M, N, k_total, n, dtype, kernel=kernel, dim=dim)
+    row["rule_says_fused"] = fused_is_faster(M, N, k_total, n, dtype, kernel=kernel, dim=dim, gpu=gpu_name(device))
     row["targets"] = targets(row)
     return row
 
@@ -457,21 +461,22 @@ def measured(rows: list[dict]) -> list[dict]:
 
 
 def shipped_rule(r: dict) -> bool:
-    return fused_is_faster(r["M"], r["N"], r["K_total"], r["n"], r["dtype"], kernel=r["kernel"], dim=r["dim"])
+    return fused_is_faster(r["M"], r["N"], r["K_total"], r["n"], r["dtype"], kernel=r["kernel"], dim=r["dim"],
+                           gpu=r.get("device"))
 
 
 def crossover(rows: list[dict], rule=shipped_rule) -> list[dict]:
-    """The measured crossover per (kernel, dim, dtype, N, K_total, n): ``min_M``, the smallest
+    """The measured crossover per (GPU, kernel, dim, dtype, N, K_total, n): ``min_M``, the smallest
     measured M from which the fused kernel was faster than the unfused path at EVERY larger measured
     M too (beyond the noise: ``fused_wins``), None where it never was at the largest M; with the
     speedups behind it and whether ``rule(row)`` (default: the shipped fused_is_faster) agrees at
     every M measured."""
     groups: dict[tuple, list[dict]] = {}
     for r in measured(rows):
-        key = (r["kernel"], r["dim"], r["dtype"], r["N"], r["K_total"], r["n"])
+        key = (r.get("device") or "?", r["kernel"], r["dim"], r["dtype"], r["N"], r["K_total"], r["n"])
         groups.setdefault(key, []).append(r)
     out = []
-    for (kernel, dim, dtype, N, k_total, n), rs in sorted(groups.items()):
+    for (device, kernel, dim, dtype, N, k_total, n), rs in sorted(groups.items()):
         rs = sorted(rs, key=lambda r: r["M"])
         wins = [fused_wins(r) for r in rs]
         min_m = None
@@ -479,7 +484,8 @@ def crossover(rows: list[dict], rule=shipped_rule) -> list[dict]:
             if not wins[i]:
                 break
             min_m = rs[i]["M"]
-        out.append({"kernel": kernel, "dim": dim, "dtype": dtype, "N": N, "K_total": k_total, "n": n, "min_M": min_m,
+        out.append({"device": device, "kernel": kernel, "dim": dim, "dtype": dtype, "N": N, "K_total": k_total, "n": n,
+                    "min_M": min_m,
                     "speedup_by_M": {r["M"]: round(r["speedup"], 3) for r in rs},
                     "fused_vs_torch_mm_by_M": {r["M"]: round(r["torch.mm_ms"] / r["fused_ms"], 3) for r in rs},
                     "rule_agrees": all(rule(r) == w for r, w in zip(rs, wins)),
@@ -497,16 +503,14 @@ def print_thresholds(ts: list[dict]) -> None:
     print("measured crossover: fused beats the runtime's unfused path from min_M on (None: never, at the sizes run)")
     for t in ts:
         sp = ", ".join(f"M={m}: {s:.2f}x" for m, s in t["speedup_by_M"].items())
-        print(f"  {t['kernel']} dim {t['dim']} {t['dtype']} N={t['N']} K_total={t['K_total']} n={t['n']}: "
-              f"min_M={t['min_M']}  ({sp}; the shipped rule {'agrees' if t['rule_agrees'] else 'DISAGREES'})"
+        print(f"  {t['device']}: {t['kernel']} dim {t['dim']} {t['dtype']} N={t['N']} K_total={t['K_total']} "
+              f"n={t['n']}: min_M={t['min_M']}  ({sp}; the shipped rule {'agrees' if t['rule_agrees'] else 'DISAGREES'})"
               + _stale(t))
-    for kernel in KERNELS:
-        ks = [t for t in ts if t["kernel"] == kernel]
-        if not ks:
-            continue
+    for device, kernel in sorted({(t["device"], t["kernel"]) for t in ts}):
+        ks = [t for t in ts if (t["device"], t["kernel"]) == (device, kernel)]
         found = [t["min_M"] for t in ks if t["min_M"] is not None]
         never = [t for t in ks if t["min_M"] is None]
-        line = f"{kernel}: "
+        line = f"{device}: {kernel}: "
         line += f"the largest crossover is M={max(found)}" if found else "the fused kernel never won"
         if never:
             line += "; never faster at: " + ", ".join(f"N={t['N']} K_total={t['K_total']} n={t['n']}" for t in never)
@@ -514,12 +518,12 @@ def print_thresholds(ts: list[dict]) -> None:
 
 
 def read_results(paths) -> tuple[list[dict], list[dict | None]]:
-    """(every row, each file's "machine") of these result files, each read once (a bare list of
-    rows has no machine: None)."""
+    """(every row, each naming its GPU: ``rows_of``; each file's "machine") of these result files in
+    their order, each read once (a bare list of rows has no machine: None)."""
     rows, machines = [], []
     for p in paths:
         doc = json.loads(Path(p).read_text())
-        rows += doc["rows"] if isinstance(doc, dict) else doc
+        rows += rows_of(doc)
         machines.append(doc.get("machine") if isinstance(doc, dict) else None)
     return rows, machines
 
@@ -640,6 +644,7 @@ def main(argv=None) -> int:
             row = {**case_key(kernel, M, nk, n, args.dim, dtype),
                    "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
             print(f"  {kernel} M={M} N=K={nk} n={n}: FAILED: {row['error']}", flush=True)
+        row["device"] = info["device"]
         rows.append(row)
         if device.type == "cuda":
             torch.cuda.empty_cache()

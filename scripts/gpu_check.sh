@@ -19,7 +19,8 @@
 #   bash scripts/gpu_check.sh fused       # issue 16, table 3: bench/bench_fused_kernels.py -> fused.json; in
 #                                         # fused.log the smallest M where fused wins and whether the shipped
 #                                         # rule agrees, % of bf16 peak, targets; fusion_measured.json: the
-#                                         # rule's table from this run (docs/kernels.md says how to ship it).
+#                                         # rule's table from this run, this GPU's points only (docs/kernels.md
+#                                         # says how to merge it with bench/measured's runs and ship it).
 #                                         # Cases go shape by shape, both kernels and every M per shape, so a
 #                                         # run cut short has whole crossovers: pass --nk 8192 to go on
 #   bash scripts/gpu_check.sh tune        # launch configs per shape (--tune, M 1024 and 8192): tune.json and

@@ -236,3 +236,27 @@ def test_a_failing_tuning_keeps_its_rows_timings(tmp_path):
     for row in rows:
         assert "error" not in row and row["fused_ms"] > 0 and "MemoryError" in row["tuned"]["error"]
     assert "tuning: MemoryError" in r.stderr
+
+
+def test_threshold_merges_the_runs_of_two_gpus(tmp_path, capsys):
+    """--threshold over the committed H200 run and an H100 run (rows without "device", as older files
+    have: their machine names the GPU) writes a table with both GPUs' points, and the crossovers
+    are printed per GPU."""
+    from bench.bench_fused_kernels import main
+    from fastpipe.kernels.fusion_rule import parse_table
+
+    h200 = ROOT / "bench" / "measured" / "fused_h200_2026-11-26.json"
+    doc = json.loads(h200.read_text())
+    h100_rows = [{k: v for k, v in r.items() if k != "device"} for r in doc["rows"] if r["M"] == 16]
+    h100 = tmp_path / "fused_h100.json"
+    h100.write_text(json.dumps({"machine": {**doc["machine"], "device": "NVIDIA H100 80GB HBM3", "date": "2026-11-27"},
+                                "rows": h100_rows}))
+    table = tmp_path / "rule.json"
+    assert main(["--threshold", str(h200), str(h100), "--write-rule", str(table)]) == 0
+    points = parse_table(json.loads(table.read_text()), "rule.json")
+    by_gpu = {g: [p for p in points if p["device"] == g] for g in ("NVIDIA H200", "NVIDIA H100 80GB HBM3")}
+    assert len(by_gpu["NVIDIA H200"]) == len(doc["rows"]) and len(by_gpu["NVIDIA H100 80GB HBM3"]) == len(h100_rows)
+    assert len(points) == len(doc["rows"]) + len(h100_rows)
+    out = capsys.readouterr().out
+    assert "  NVIDIA H100 80GB HBM3: matmul_reduce_scatter dim 0 bfloat16 N=4096 K_total=8192 n=2: min_M=16" in out
+    assert "  NVIDIA H200: matmul_reduce_scatter dim 0 bfloat16 N=4096 K_total=8192 n=2: min_M=1024" in out

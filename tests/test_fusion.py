@@ -51,7 +51,7 @@ def test_auto_on_one_cuda_device_follows_the_measured_rule(tmp_path, S, dtype, w
     """fuse="auto" with both members on one CUDA device asks fastpipe.kernels.fusion_rule at the group's
     shape, and the decision quotes the measurement (analysis only: no GPU needed to decide)."""
     from fastpipe import dtypes
-    from fastpipe.kernels.fusion_rule import estimate
+    from fastpipe.kernels.fusion_rule import estimate, gpu_name
     from fastpipe.runtime import fuse
     from tests.fusion_pipelines import sp_block
 
@@ -60,13 +60,38 @@ def test_auto_on_one_cuda_device_follows_the_measured_rule(tmp_path, S, dtype, w
     cuda = {s: torch.device("cuda:0") for s in sess.slot_devices}
     got = {d.group: d for d in fuse.analyze(sess.checked, cuda, "auto")}
     assert {g: d.fused for g, d in got.items()} == want
-    t = dtypes.to_torch(dtype)
-    rules = {"ag0": estimate("all_gather_matmul", S, H // n, D, n, t),          # [S, D] @ [D, H/n]
-             "rs0": estimate("matmul_reduce_scatter", S, D, H, n, t)}          # n x [S, H/n] @ [H/n, D]
+    t, gpu = dtypes.to_torch(dtype), gpu_name("cuda:0")                        # no GPU here: None (any GPU)
+    rules = {"ag0": estimate("all_gather_matmul", S, H // n, D, n, t, 0, gpu),          # [S, D] @ [D, H/n]
+             "rs0": estimate("matmul_reduce_scatter", S, D, H, n, t, 0, gpu)}          # n x [S, H/n] @ [H/n, D]
     for g, d in got.items():
         assert d.reason.endswith(rules[g].reason) and "fastpipe.kernels.fusion_rule" in d.reason, d.line()
         assert d.reason.startswith("all members match, and the fused kernel is faster here" if d.fused
                                    else "the unfused path, faster here")
+
+
+def test_auto_asks_about_the_gpu_the_members_share(tmp_path, monkeypatch):
+    """fuse="auto" decides from the measurements of the GPU model the group runs on (fusion_rule.gpu_name
+    of the members' device), and says where that GPU was not measured."""
+    from fastpipe.kernels import fusion_rule
+    from fastpipe.runtime import fuse
+    from tests.fusion_pipelines import sp_block
+
+    asked = []
+    monkeypatch.setattr(fusion_rule, "gpu_name", lambda device: asked.append(torch.device(device)) or "Some GPU")
+    sess = fastpipe.load(sp_block(tmp_path, S=1024, D=256, H=512, n=2, dtype="bf16"), fuse="off")
+    cuda = {s: torch.device("cuda:1") for s in sess.slot_devices}
+    got = fuse.analyze(sess.checked, cuda, "auto")
+    assert asked == [torch.device("cuda:1")] * 2 and len(got) == 2
+    for d in got:
+        assert d.reason.endswith("; this GPU (Some GPU) was not measured: another GPU's measurement decides "
+                                 "until `scripts/gpu_check.sh fused` measures this one"), d.line()
+
+
+def test_gpu_name_is_none_off_cuda():
+    from fastpipe.kernels.fusion_rule import gpu_name
+
+    assert gpu_name("cpu") is None and gpu_name(torch.device("meta")) is None
+    assert gpu_name("cuda:0") == (torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 
 
 @pytest.mark.parametrize("processor", ["reference", "cpu"])

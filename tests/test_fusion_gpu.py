@@ -31,10 +31,11 @@ def _auto_decisions(S, D, H, n, dtype) -> dict[str, bool]:
     (all_gather: [S, D] @ [D, H/n]; reduce_scatter: n x [S, H/n] @ [H/n, D])."""
     from fastpipe import dtypes
     from fastpipe.kernels import fused_is_faster
+    from fastpipe.kernels.fusion_rule import gpu_name
 
-    t = dtypes.to_torch(dtype)
-    return {"ag0": fused_is_faster(S, H // n, D, n, t, kernel="all_gather_matmul"),
-            "rs0": fused_is_faster(S, D, H, n, t, kernel="matmul_reduce_scatter")}
+    t, gpu = dtypes.to_torch(dtype), gpu_name("cuda:0")        # this GPU's measurements where it has them
+    return {"ag0": fused_is_faster(S, H // n, D, n, t, kernel="all_gather_matmul", gpu=gpu),
+            "rs0": fused_is_faster(S, D, H, n, t, kernel="matmul_reduce_scatter", gpu=gpu)}
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])

@@ -11,12 +11,12 @@ import torch
 from fastpipe.kernels import fused_is_faster
 from fastpipe.kernels import fusion_rule
 from fastpipe.kernels.fusion_rule import (
-    dump_table, estimate, fused_wins, newest_rows, parse_table, table_from_rows)
+    dump_table, estimate, fused_wins, newest_rows, parse_table, rows_of, table_from_rows)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = json.loads(fusion_rule.PACKAGED.read_text())
 RAW = [json.loads((ROOT / "bench" / "measured" / name).read_text()) for name in SHIPPED["sources"]]
-ROWS = [r for doc in RAW for r in doc["rows"]]
+ROWS = [r for doc in RAW for r in rows_of(doc)]
 MRS, AGM = "matmul_reduce_scatter", "all_gather_matmul"
 
 
@@ -31,10 +31,13 @@ def test_the_shipped_table_is_what_the_bench_writes_from_the_committed_rows():
 def test_at_every_measured_shape_auto_picks_the_measured_winner(i):
     """At a measured shape the decision is that row's: fused exactly where its p80 beat the unfused p20."""
     r = ROWS[i]
-    got = fused_is_faster(r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, kernel=r["kernel"], dim=r["dim"])
-    assert got == (r["fused_p80"] < r["unfused_p20"])
-    e = estimate(r["kernel"], r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, r["dim"])
+    for gpu in (r["device"], None):                  # on the GPU that measured it, and with no GPU named
+        got = fused_is_faster(r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, kernel=r["kernel"], dim=r["dim"],
+                              gpu=gpu)
+        assert got == (r["fused_p80"] < r["unfused_p20"])
+    e = estimate(r["kernel"], r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, r["dim"], r["device"])
     assert e.reason.startswith("measured at this shape: ") and "NVIDIA H200 2026-11-26" in e.reason
+    assert "not measured" not in e.reason
     assert f"{round(r['speedup'], 3):.2f}x" in e.reason  # the table keeps 3 decimals
 
 
@@ -105,19 +108,31 @@ def test_fused_wins_needs_the_win_outside_the_noise():
     assert fused_wins({**row, "unfused_p20": 1.11})
 
 
-def test_table_from_rows_drops_failed_rows_and_refuses_duplicates():
+def test_table_from_rows_drops_failed_rows_and_needs_the_gpu():
     good = dict(ROWS[0])
     bad = {**ROWS[1], "check": "MISMATCH"}
     raised = {"kernel": MRS, "M": 16, "error": "OutOfMemoryError"}
     doc = table_from_rows([good, bad, raised], [], ["x.json"])
     assert len(doc["points"]) == 1 and doc["points"][0]["M"] == good["M"]
-    with pytest.raises(ValueError, match="measured twice"):
-        table_from_rows([good, dict(good)], [], ["x.json"])
+    assert doc["points"][0]["device"] == "NVIDIA H200"
+    nameless = {k: v for k, v in good.items() if k != "device"}
+    with pytest.raises(ValueError, match=r"^rows: .*names no GPU \(device\)"):
+        table_from_rows([nameless], [], ["x.json"])
+
+
+def test_rows_name_their_gpu():
+    """Rows the bench wrote before they named their GPU take their file's machine.device."""
+    doc = {"machine": {"device": "NVIDIA H100 80GB HBM3"},
+           "rows": [{"M": 16}, {"M": 32, "device": "NVIDIA H200"}]}
+    assert [r["device"] for r in rows_of(doc)] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
+    assert "device" not in doc["rows"][0]                          # the document is left as it was
+    assert rows_of([{"M": 16}]) == [{"M": 16}]                      # a bare list has no machine
 
 
 def test_a_newer_revision_of_a_kernel_replaces_the_older_measurement():
     """A new run of one kernel merges with the older file: per shape the newer revision's row wins,
-    whichever file comes first; two rows of one revision at a shape are refused."""
+    whichever file comes first; at one revision the later row (a rerun) wins; another GPU's row of
+    the same shape is kept beside it."""
     old = dict(ROWS[0])                                              # no kernel_revision: revision 1
     new = {**old, "kernel_revision": 2, "speedup": 2.0, "fused_p80": 0.1, "unfused_p20": 1.0}
     other = dict(ROWS[1])
@@ -127,8 +142,10 @@ def test_a_newer_revision_of_a_kernel_replaces_the_older_measurement():
         doc = table_from_rows(rows, [], ["old.json", "new.json"])
         p = next(p for p in doc["points"] if p["M"] == old["M"] and p["n"] == old["n"] and p["N"] == old["N"])
         assert (p["revision"], p["speedup"], p["fused_wins"]) == (2, 2.0, True)
-    with pytest.raises(ValueError, match="measured twice with revision 2"):
-        newest_rows([new, dict(new)])
+    rerun = {**new, "speedup": 0.5}
+    assert newest_rows([new, rerun]) == [rerun] and newest_rows([rerun, new]) == [new]
+    h100 = {**old, "device": "NVIDIA H100 80GB HBM3"}
+    assert newest_rows([old, h100, new]) == [new, h100]
 
 
 def test_a_point_of_an_older_kernel_revision_still_decides_and_says_it_is_stale(monkeypatch):
@@ -161,6 +178,7 @@ def test_every_kernel_revision_says_what_changed():
     ({"format": 1, "points": [{**SHIPPED["points"][0], "M": -1}]}, "t.json: points\\[0\\].M: expected an integer >= 1"),
     ({"format": 1, "points": [{**SHIPPED["points"][0], "fused_wins": "yes"}]}, "t.json: points\\[0\\].fused_wins"),
     ({"format": 1, "points": [{**SHIPPED["points"][0], "revision": 0}]}, "t.json: points\\[0\\].revision: expected"),
+    ({"format": 1, "points": [{**SHIPPED["points"][0], "device": ""}]}, "t.json: points\\[0\\].device: expected the GPU"),
 ])
 def test_a_bad_table_names_the_field(doc, where):
     with pytest.raises(ValueError, match=f"^{where}"):
@@ -175,3 +193,50 @@ def test_the_table_ships_with_the_package():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert any(fnmatch.fnmatch(fusion_rule.PACKAGED.name, g) for g in data["fastpipe.kernels"])
     assert fusion_rule.PACKAGED.parent == ROOT / "fastpipe" / "kernels"
+
+
+@pytest.fixture
+def two_gpu_table(tmp_path, monkeypatch):
+    """The shipped table with a second GPU's run: at M 16 (where the H200 run won for every
+    matmul_reduce_scatter shape) this "H100" lost, and it measured nothing of all_gather_matmul."""
+    h100 = "NVIDIA H100 80GB HBM3"
+    theirs = [{**r, "device": h100, "fused_p80": 2.0, "unfused_p20": 1.0, "speedup": 0.5}
+              for r in ROWS if r["kernel"] == MRS and r["M"] == 16]
+    doc = table_from_rows(ROWS + theirs, [*(d["machine"] for d in RAW), {"device": h100, "date": "2026-11-27"}],
+                          [*SHIPPED["sources"], "h100.json"])
+    path = tmp_path / "fusion_measured.json"
+    path.write_text(dump_table(doc))
+    monkeypatch.setattr(fusion_rule, "PACKAGED", path)
+    fusion_rule._shipped.cache_clear()
+    yield h100
+    fusion_rule._shipped.cache_clear()
+
+
+def test_each_gpu_follows_its_own_measurements(two_gpu_table):
+    h100, shape = two_gpu_table, (MRS, 16, 4096, 8192, 2, torch.bfloat16)
+    on_h200 = estimate(*shape, gpu="NVIDIA H200")
+    assert on_h200.fused and "on NVIDIA H200 2026-11-26" in on_h200.reason and h100 not in on_h200.reason
+    on_h100 = estimate(*shape, gpu=h100)
+    assert not on_h100.fused and on_h100.reason.startswith("measured at this shape: 0.50x, not faster")
+    assert f"on {h100} 2026-11-27" in on_h100.reason and "not measured" not in on_h100.reason
+    # The H100 points alone decide on the H100, even where an H200 point is nearer: M 1024 takes the
+    # H100's M 16 (lost), not the H200's M 1024 (won)
+    assert fused_is_faster(1024, 4096, 8192, 2, torch.bfloat16, kernel=MRS, gpu="NVIDIA H200")
+    assert not fused_is_faster(1024, 4096, 8192, 2, torch.bfloat16, kernel=MRS, gpu=h100)
+    # all_gather_matmul was measured on the H200 only: the H100 takes it, and the reason says so
+    r = next(r for r in ROWS if r["kernel"] == AGM and fused_wins(r))
+    ag = estimate(AGM, r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, gpu=h100)
+    assert ag.fused and "on NVIDIA H200 2026-11-26" in ag.reason
+    assert ag.reason.endswith(f"; this GPU ({h100}) was not measured: another GPU's measurement decides until "
+                              "`scripts/gpu_check.sh fused` measures this one"), ag.reason
+
+
+def test_an_unmeasured_gpu_fuses_only_where_every_measured_gpu_won(two_gpu_table):
+    """Equally near points of two GPUs (here: the same shape) fuse only if both won."""
+    h100, shape = two_gpu_table, (MRS, 16, 4096, 8192, 2, torch.bfloat16)
+    for gpu in ("NVIDIA A100-SXM4-80GB", None):
+        e = estimate(*shape, gpu=gpu)
+        assert not e.fused and e.reason.startswith("measured at this shape: ")
+        assert f"0.50x, not faster than unfused at M=16 N=4096 K_total=8192 n=2 on {h100} 2026-11-27; " in e.reason
+        assert "1.29x faster than unfused at M=16 N=4096 K_total=8192 n=2 on NVIDIA H200 2026-11-26, " in e.reason
+        assert ("was not measured" in e.reason) == (gpu is not None)

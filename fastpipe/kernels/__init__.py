@@ -20,9 +20,10 @@ Fused matmul + collective kernels (tensor parallelism's row- and column-parallel
 * ``all_gather_matmul(a, b, dim=0)`` -- cat(a; dim) @ b[j] for each j, reading each tile's
   rows (dim 0) or K-slices (dim 1) straight from the shard that holds them;
   ``all_gather_matmul_reference`` and ``all_gather_matmul_overlapped`` likewise.
-* ``fused_is_faster(M, N, K_total, n, dtype, kernel=..., dim=0)`` -- whether ``fuse="auto"``
-  uses the fused kernel: where it was measured faster than the runtime's unfused path (the
-  nearest point of ``fusion_measured.json``, measured on a GPU by
+* ``fused_is_faster(M, N, K_total, n, dtype, kernel=..., dim=0, gpu=None)`` -- whether
+  ``fuse="auto"`` uses the fused kernel on that GPU model: where it was measured faster than the
+  runtime's unfused path (the nearest point of ``fusion_measured.json`` measured on that GPU, or
+  on any where that GPU was not measured; measured by
   ``bench/bench_fused_kernels.py``; ``fusion_rule.estimate`` gives the reason too);
   ``pick_config`` and ``KernelConfig`` -- the launchers' block-size heuristic and its override.
 

@@ -8,7 +8,7 @@ bench/measured/)::
 
     {"format": 1, "measured_on": [{"device": "NVIDIA H200", "date": ..., "torch": ..., "triton": ...}],
      "sources": ["fused_h200_2026-11-26.json"], "criterion": "...",
-     "points": [{"kernel": "matmul_reduce_scatter", "dim": 0, "dtype": "bfloat16",
+     "points": [{"device": "NVIDIA H200", "kernel": "matmul_reduce_scatter", "dim": 0, "dtype": "bfloat16",
                  "M": 16, "N": 4096, "K_total": 8192, "n": 2, "speedup": 1.294, "fused_wins": true,
                  "revision": 1}, ...]}
 
@@ -16,22 +16,28 @@ A point's ``fused_wins`` is true only where the win is outside the timing noise:
 kernel's 80th-percentile time below the unfused path's 20th percentile (``fused_wins(row)``).
 A tie, or a win inside the noise, goes to the unfused path.
 
-A call (kernel, M, N, K_total, n, dtype, dim) takes the decision of the measured point nearest
-to it, distance being the sum of |log2| ratios of M, N, K_total and n, among the points of the
-same kernel, dim and dtype (float16 uses bfloat16's points: the same element size and kernel);
-where several points are equally near, it fuses only if all of them won. So between two
-measured M the nearer one (in log scale) decides, and beyond the measured grid the edge does:
-M = 1 takes M = 16's decision. No point for the kernel, dim and dtype (float32, say, or
-dim 1 before anyone measured it): not fused, and the reason says what to measure.
+A call (kernel, M, N, K_total, n, dtype, dim, gpu) takes the decision of the measured point
+nearest to it, distance being the sum of |log2| ratios of M, N, K_total and n, among the points
+of the same kernel, dim and dtype (float16 uses bfloat16's points: the same element size and
+kernel) measured on this GPU (below); where several points are equally near, it fuses only if
+all of them won. So between two measured M the nearer one (in log scale) decides, and beyond
+the measured grid the edge does: M = 1 takes M = 16's decision. No point for the kernel, dim
+and dtype (float32, say, or dim 1 before anyone measured it): not fused, and the reason says
+what to measure.
 
 A point also records the revision of the kernel it timed (``KERNEL_REVISIONS`` below, bumped by
 any change to a kernel or its launch that can change its speed; a bench row without one predates
 them: revision 1). A point of an older revision still decides -- it is the only measurement there
 is -- and its reason says that it is stale and what changed since.
 
+Each point names the GPU that timed it (``device``, as ``torch.cuda.get_device_name`` gives it):
+a crossover measured on one GPU model says little of another's. A call on a GPU with points of
+its own (the exact name) uses only those; on a GPU with none, or with no GPU named, the points
+of every GPU measured decide together (equally near points of two GPUs fuse only if both won),
+and the reason says this GPU was not measured.
+
 Every decision comes with its evidence (``estimate(...).reason``): the point it took, its speedup
-and the GPU that measured it. The table was measured on one GPU model; on another the same table
-decides until that GPU's run is written in, and the reason names the GPU it came from.
+and the GPU (and date) that measured it.
 """
 from __future__ import annotations
 
@@ -46,7 +52,8 @@ from fastpipe.kernels.measured_doc import check_choice, check_positive_ints, ent
 KERNELS = ("matmul_reduce_scatter", "all_gather_matmul")
 PACKAGED = Path(__file__).with_name("fusion_measured.json")
 CRITERION = ("fused_wins: the fused kernel's p80 time below the unfused path's p20 "
-             "(bench/bench_fused_kernels.py, CUDA-graph replays); the nearest point in log2(M, N, K_total, n) decides")
+             "(bench/bench_fused_kernels.py, CUDA-graph replays); the nearest point in log2(M, N, K_total, n) decides, "
+             "among the points of the GPU it runs on (every GPU's where that one was not measured)")
 # The kernels' revisions, as bench rows record them (kernel_revision), and what each change did
 KERNEL_REVISIONS = {"matmul_reduce_scatter": 1, "all_gather_matmul": 2}
 REVISION_CHANGES = {
@@ -56,7 +63,8 @@ REVISION_CHANGES = {
 # dtypes measured under another's name: the same element size and the same kernel code
 _SAME_AS = {"float16": "bfloat16"}
 _SHAPE_FIELDS = ("kernel", "dim", "dtype", "M", "N", "K_total", "n")
-_POINT_FIELDS = (*_SHAPE_FIELDS, "speedup", "fused_wins", "revision")
+_KEY_FIELDS = ("device", *_SHAPE_FIELDS)            # one point per GPU and shape
+_POINT_FIELDS = (*_KEY_FIELDS, "speedup", "fused_wins", "revision")
 _MACHINE_FIELDS = ("device", "date", "torch", "triton", "python")   # of a bench result file's "machine"
 
 
@@ -75,19 +83,42 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def gpu_name(device) -> str | None:
+    """The name the table knows a CUDA torch.device by (``torch.cuda.get_device_name``); None for
+    another device type or where CUDA is unavailable."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(device)
+
+
+def rows_of(doc) -> list[dict]:
+    """A bench_fused_kernels result document's rows, each naming the GPU that timed it (a row
+    without ``device``, as the bench wrote them before rows named their GPU, takes the file's
+    machine.device)."""
+    if not isinstance(doc, dict):
+        return list(doc)
+    device = (doc.get("machine") or {}).get("device")
+    return [r if "device" in r or device is None else {**r, "device": device} for r in doc["rows"]]
+
+
 def newest_rows(rows: list[dict]) -> list[dict]:
-    """bench_fused_kernels rows, one per shape (kernel, dim, dtype, M, N, K_total, n): where a shape was
-    measured with two revisions of its kernel, the newer one's row (so a new run of one kernel merges
-    with an older file); ValueError where one shape has two rows of the same revision."""
+    """bench_fused_kernels rows, one per GPU and shape (device, kernel, dim, dtype, M, N, K_total, n):
+    where a shape was measured with two revisions of its kernel on one GPU, the newer revision's row
+    (so a new run of one kernel merges with an older file); at the same revision the later row in
+    the list (results listed oldest first: a rerun replaces the earlier run). ValueError where a
+    row names no GPU."""
     by_shape: dict[tuple, dict] = {}
     for r in rows:
-        key = tuple(r[f] for f in _SHAPE_FIELDS)
+        if not r.get("device"):
+            raise ValueError(f"rows: {dict((f, r.get(f)) for f in _SHAPE_FIELDS)} names no GPU (device): the "
+                             "result file's machine.device names it")
+        key = tuple(r[f] for f in _KEY_FIELDS)
         had = by_shape.get(key)
-        if had is None or row_revision(had) < row_revision(r):
+        if had is None or row_revision(had) <= row_revision(r):
             by_shape[key] = r
-        elif row_revision(had) == row_revision(r):
-            raise ValueError(f"rows: {dict(zip(_SHAPE_FIELDS, key))} measured twice with revision "
-                             f"{row_revision(r)} of the kernel: give one run's results per shape")
     return list(by_shape.values())
 
 
@@ -103,13 +134,13 @@ def stale_revisions(kernel: str, revisions) -> list[int]:
 
 def table_from_rows(rows: list[dict], machines: list[dict], sources: list[str]) -> dict:
     """The shipped table's document from bench_fused_kernels rows (rows that raised or failed their
-    numerics check are left out; one per shape, the newest revision's: ``newest_rows``) and the result
+    numerics check are left out; one per GPU and shape, the newest revision's: ``newest_rows``) and the result
     files' "machine" objects (the fields that identify the GPU and the versions are kept)."""
     timed = [r for r in rows if "error" not in r and r.get("check", "ok") == "ok"]
-    points = [{"kernel": r["kernel"], "dim": r["dim"], "dtype": r["dtype"], "M": r["M"], "N": r["N"],
-               "K_total": r["K_total"], "n": r["n"], "speedup": round(r["speedup"], 3), "fused_wins": fused_wins(r),
-               "revision": row_revision(r)} for r in newest_rows(timed)]
-    points.sort(key=lambda p: tuple(p[f] for f in _SHAPE_FIELDS))
+    points = [{"device": r["device"], "kernel": r["kernel"], "dim": r["dim"], "dtype": r["dtype"], "M": r["M"],
+               "N": r["N"], "K_total": r["K_total"], "n": r["n"], "speedup": round(r["speedup"], 3),
+               "fused_wins": fused_wins(r), "revision": row_revision(r)} for r in newest_rows(timed)]
+    points.sort(key=lambda p: tuple(p[f] for f in _KEY_FIELDS))
     measured_on = [{k: m.get(k) for k in _MACHINE_FIELDS} for m in machines]
     return {"format": 1, "measured_on": measured_on, "sources": sources, "criterion": CRITERION, "points": points}
 
@@ -126,6 +157,8 @@ def parse_table(doc, where: str) -> list[dict]:
     points = []
     for at, p in entries(doc, where, "points", _POINT_FIELDS):
         check_choice(p, at, "kernel", KERNELS)
+        if not isinstance(p["device"], str) or not p["device"]:
+            raise ValueError(f"{at}.device: expected the GPU's name (NVIDIA H200, ...), found {p['device']!r}")
         check_positive_ints(p, at, ("M", "N", "K_total", "n", "revision"))
         if not isinstance(p["fused_wins"], bool):
             raise ValueError(f"{at}.fused_wins: expected true or false, found {p['fused_wins']!r}")
@@ -134,12 +167,14 @@ def parse_table(doc, where: str) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=None)
-def _shipped() -> tuple[tuple[dict, ...], str]:
-    """(points, where they were measured) of the packaged table."""
+def _shipped() -> tuple[tuple[dict, ...], dict[str, str]]:
+    """(points, {GPU: the dates its runs were measured}) of the packaged table."""
     doc = json.loads(PACKAGED.read_text())
     points = parse_table(doc, str(PACKAGED))
-    where = "; ".join(f"{m.get('device')} {m.get('date')}" for m in doc.get("measured_on") or []) or "unknown GPU"
-    return tuple(points), where
+    dates: dict[str, list[str]] = {}
+    for m in doc.get("measured_on") or []:
+        dates.setdefault(m.get("device"), []).append(str(m.get("date")))
+    return tuple(points), {d: ", ".join(sorted(set(ds))) for d, ds in dates.items()}
 
 
 def _distance(p: dict, M: int, N: int, K_total: int, n: int) -> float:
@@ -150,12 +185,13 @@ def _shape(p: dict) -> str:
     return f"M={p['M']} N={p['N']} K_total={p['K_total']} n={p['n']}"
 
 
-def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int = 0) -> Estimate:
+def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int = 0,
+             gpu: str | None = None) -> Estimate:
     """The decision for one fusable group and its reason (see the module docstring).
     kernel: "matmul_reduce_scatter" | "all_gather_matmul"; M: the matmul's rows; N: its columns;
     K_total: the summed K (n * K_i for matmul_reduce_scatter, K for all_gather_matmul); n:
     participants; dtype: a torch dtype (or its name); dim: the kernel's scatter/gather dim (0: row
-    blocks, 1: column blocks)."""
+    blocks, 1: column blocks); gpu: the name of the GPU it runs on (``gpu_name``), None: any."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel: expected one of {', '.join(KERNELS)}, found {kernel!r}")
     for name, v in (("M", M), ("N", N), ("K_total", K_total), ("n", n)):
@@ -163,7 +199,7 @@ def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int 
             raise ValueError(f"{name}: expected an integer >= 1, found {v!r}")
     if n < 2:
         return Estimate(False, "one participant: there is nothing to reduce or gather")
-    points, where = _shipped()
+    points, dates = _shipped()
     want = _dtype_name(dtype)
     as_dtype = _SAME_AS.get(want, want)
     mine = [p for p in points if p["kernel"] == kernel and p["dim"] == dim and p["dtype"] == as_dtype]
@@ -171,16 +207,23 @@ def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int 
         return Estimate(False, f"{kernel} was not measured for {want}, dim {dim} (auto fuses only where measured "
                                f"faster; bench/bench_fused_kernels.py --dtype/--dim measures it; fuse='always' "
                                f"forces the kernel)")
-    scored = [(_distance(p, M, N, K_total, n), p) for p in mine]
+    here = [p for p in mine if p["device"] == gpu]
+    elsewhere = "" if here or gpu is None else (
+        f"; this GPU ({gpu}) was not measured: another GPU's measurement decides until `scripts/gpu_check.sh "
+        f"fused` measures this one")
+    scored = [(_distance(p, M, N, K_total, n), p) for p in here or mine]
     best = min(d for d, _ in scored)
     near = [p for d, p in scored if d <= best + 1e-9]
     fused = all(p["fused_wins"] for p in near)
+    on = {p["device"]: f"{p['device']} {dates.get(p['device'], '(date unknown)')}" for p in near}
+    each = len(on) > 1                    # points of several GPUs: each item names its own
     evidence = "; ".join(f"{p['speedup']:.2f}x" + (" faster" if p["fused_wins"] else ", not faster") +
-                         f" than unfused at {_shape(p)}" for p in near)
+                         f" than unfused at {_shape(p)}" + (f" on {on[p['device']]}" if each else "") for p in near)
     also = f" ({want} uses the {as_dtype} measurement)" if as_dtype != want else ""
     exact = best == 0.0
     at = "measured at this shape" if exact else f"the nearest measured shape{'s' if len(near) > 1 else ''}"
-    return Estimate(fused, f"{at}: {evidence}, {as_dtype} dim {dim}, on {where}{also}{_staleness(kernel, near)}")
+    where = "" if each else f", on {on[near[0]['device']]}"
+    return Estimate(fused, f"{at}: {evidence}, {as_dtype} dim {dim}{where}{also}{_staleness(kernel, near)}{elsewhere}")
 
 
 def _staleness(kernel: str, near: list[dict]) -> str:
@@ -195,7 +238,9 @@ def _staleness(kernel: str, near: list[dict]) -> str:
             f"revision {now} ({changes}): `scripts/gpu_check.sh fused` measures it again")
 
 
-def fused_is_faster(M: int, N: int, K_total: int, n: int, dtype, *, kernel: str, dim: int = 0) -> bool:
-    """Whether ``fuse="auto"`` replaces the unfused path by ``kernel`` at this shape: ``estimate``'s
-    decision (the nearest point of the measured table; its reason says which)."""
-    return estimate(kernel, M, N, K_total, n, dtype, dim).fused
+def fused_is_faster(M: int, N: int, K_total: int, n: int, dtype, *, kernel: str, dim: int = 0,
+                    gpu: str | None = None) -> bool:
+    """Whether ``fuse="auto"`` replaces the unfused path by ``kernel`` at this shape on this GPU (its
+    name, ``gpu_name(device)``; None: any measured GPU): ``estimate``'s decision (the nearest point of
+    the measured table; its reason says which)."""
+    return estimate(kernel, M, N, K_total, n, dtype, dim, gpu).fused

@@ -26,9 +26,10 @@ from the bound step's graph (fastpipe.runtime.bind placed it there), never from 
 graph; an all_gather->matmul group's weights are moved to the group's device.
 
 Policy: "off"; "auto" (default): fuse when every member is on one CUDA device and the fused
-kernel was measured faster at the shape (fastpipe.kernels.fusion_rule; the reason quotes the
-measurement); "always": fuse every match whose members share one device (on CPU the Triton
-kernels need TRITON_INTERPRET=1 - tests use that). Every group that could be fused gets a
+kernel was measured faster at the shape on that GPU model (fastpipe.kernels.fusion_rule; the
+reason quotes the measurement and says where this GPU was not measured); "always": fuse every
+match whose members share one device (on CPU the Triton kernels need TRITON_INTERPRET=1 - tests
+use that). Every group that could be fused gets a
 decision with its reason (Session.fusion, `fastpipe show --plan`).
 
 Loading with check_payloads=False: checked.graphs decodes each payload at its first use, once per
@@ -148,7 +149,7 @@ def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list
         elif policy == "auto" and next(iter(devices)).type != "cuda":
             d.reason = ("members on " + ", ".join(sorted(str(x) for x in devices)) +
                         ": the fused kernels run on one CUDA device (fuse='always' forces them)")
-        elif policy == "auto" and not (est := _measured(d)).fused:
+        elif policy == "auto" and not (est := _measured(d, next(iter(devices)))).fused:
             d.reason = f"the unfused path, faster here (fastpipe.kernels.fusion_rule): {est.reason}"
         else:
             d.fused = True
@@ -158,10 +159,11 @@ def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list
     return out
 
 
-def _measured(d: Decision):
-    """fastpipe.kernels.fusion_rule's estimate for the group's shape (the first member's matmul)."""
+def _measured(d: Decision, device):
+    """fastpipe.kernels.fusion_rule's estimate for the group's shape (the first member's matmul) on
+    the GPU its members share (its measurements where that GPU model was measured)."""
     from fastpipe import dtypes
-    from fastpipe.kernels.fusion_rule import estimate
+    from fastpipe.kernels.fusion_rule import estimate, gpu_name
 
     m = d.plan[0]
     M, K = m["a_shape"]
@@ -169,7 +171,7 @@ def _measured(d: Decision):
     mrs = d.pattern == "matmul->reduce_scatter"
     k_total = K * (len(d.plan) if mrs else 1)
     return estimate("matmul_reduce_scatter" if mrs else "all_gather_matmul", M, N, k_total, len(d.plan),
-                    dtypes.to_torch(m["dtype"]), m["dim"])
+                    dtypes.to_torch(m["dtype"]), m["dim"], gpu_name(device))
 
 
 def _match(p, flow, graphs, g, members, d: Decision) -> str:
