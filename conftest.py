@@ -26,11 +26,15 @@ def _plain_tests_see_a_cpu_machine(request, monkeypatch):
     """A test not marked `cuda` states what happens on a CPU machine, so on a GPU machine it runs as
     on one: the slots' default device is the CPU (fastpipe.runtime.device_map.default_device would
     put `npu`/`cuda` slots on the GPU), and the processes it starts see no GPU. The GPU's own
-    behaviour, the default placement there included, is the `cuda` tests' (run with `pytest -m cuda`)."""
+    behaviour, the default placement there included, is the `cuda` tests' (run with `pytest -m cuda`).
+    On a CPU machine the Triton interpreter runs the fused kernels on CPU tensors, so fuse="always" on
+    CPU slots is accepted at load here too (the tests that launch them call tests/test_fusion.py's
+    needs_cpu_kernels and skip: this process's kernels were built for the GPU)."""
     if torch.cuda.is_available() and request.node.get_closest_marker("cuda") is None:
-        from fastpipe.runtime import device_map
+        from fastpipe.runtime import device_map, fuse
 
         monkeypatch.setattr(device_map, "default_device", lambda kind, idx: torch.device("cpu"))
+        monkeypatch.setattr(fuse, "_cannot_launch", lambda device: None)
         # CUDA first, in this process: before it is initialized torch.cuda.device_count() re-reads
         # CUDA_VISIBLE_DEVICES (and dynamo caches the device list it sees), so hiding the GPU from the
         # children would hide it from every later test of this worker (seen on the GPU machine)

@@ -87,6 +87,61 @@ def test_auto_asks_about_the_gpu_the_members_share(tmp_path, monkeypatch):
                                  "until `scripts/gpu_check.sh fused` measures this one"), d.line()
 
 
+def test_launch_problem_says_why_the_kernels_cannot_run(monkeypatch):
+    from fastpipe.kernels import mm_reduce_scatter_kernel as k
+
+    if k._mm_sum_kernel is None:
+        assert k.launch_problem("cuda:0") == k.launch_problem("cpu") == "triton is not installed"
+        return
+    monkeypatch.setattr(k, "interpreting", lambda: False)                 # kernels built for a GPU
+    assert k.launch_problem("cuda:0") is None
+    assert k.launch_problem(torch.device("cpu")).startswith("the Triton kernels run on CUDA tensors, not on cpu")
+    monkeypatch.setattr(k, "interpreting", lambda: True)                  # TRITON_INTERPRET=1: any device
+    assert k.launch_problem("cpu") is None and k.launch_problem("cuda:0") is None
+    monkeypatch.setattr(k, "_mm_sum_kernel", None)
+    assert k.launch_problem("cuda:0") == k.launch_problem("cpu") == "triton is not installed"
+
+
+def test_forced_fusion_is_refused_at_load_where_the_kernels_cannot_run(monkeypatch):
+    """fuse="always" on CPU slots without the Triton interpreter: refused when loading, naming the
+    group and why (not a KernelUnavailable at the first run)."""
+    from fastpipe.errors import InputError
+    from fastpipe.kernels import mm_reduce_scatter_kernel as k
+    from fastpipe.runtime import fuse
+
+    monkeypatch.setattr(fuse, "_cannot_launch", k.launch_problem)   # the real check (conftest eases it on GPUs)
+    monkeypatch.setattr(k, "_mm_sum_kernel", k._mm_sum_kernel or object())   # triton present
+    monkeypatch.setattr(k, "interpreting", lambda: False)
+    with pytest.raises(InputError, match=r'^fuse: "always" cannot fuse group "ag0" \(all_gather->matmul, supertasks '
+                                         r'1, 2\) on cpu: the Triton kernels run on CUDA tensors, not on cpu \(unless '
+                                         r'TRITON_INTERPRET=1 .*\(fuse="auto" or "off" runs it unfused\)$'):
+        fastpipe.load(GRAPHS / "seq_parallel" / "pipeline.json", fuse="always")
+    monkeypatch.setattr(k, "_mm_sum_kernel", None)
+    with pytest.raises(InputError, match=r' on cpu: triton is not installed \(fuse="auto"'):
+        fastpipe.load(GRAPHS / "seq_parallel" / "pipeline.json", fuse="always")
+
+
+def test_auto_warns_where_the_measured_winner_cannot_run(tmp_path, monkeypatch):
+    """fuse="auto" on a CUDA device where the rule fuses, but triton is missing: unfused, with a
+    warning that says so (never a silent fallback, nor a failure at the first run)."""
+    from fastpipe.kernels import mm_reduce_scatter_kernel as k
+    from fastpipe.runtime import fuse
+    from tests.fusion_pipelines import sp_block
+
+    monkeypatch.setattr(fuse, "_cannot_launch", k.launch_problem)   # the real check (conftest eases it on GPUs)
+    monkeypatch.setattr(k, "_mm_sum_kernel", k._mm_sum_kernel or object())   # triton present
+    sess = fastpipe.load(sp_block(tmp_path, S=1024, D=256, H=512, n=2, dtype="bf16"), fuse="off")
+    cuda = {s: torch.device("cuda:0") for s in sess.slot_devices}
+    assert {d.group: d.fused for d in fuse.analyze(sess.checked, cuda, "auto")}["rs0"]   # the rule fuses rs0
+    monkeypatch.setattr(k, "_mm_sum_kernel", None)
+    with pytest.warns(RuntimeWarning, match=r'^fastpipe: fusion: group "rs0" .*: not fused: the fused kernel is '
+                                            r'faster here \(fastpipe.kernels.fusion_rule\), but cannot run: triton '
+                                            r'is not installed$'):
+        got = {d.group: d for d in fuse.analyze(sess.checked, cuda, "auto")}
+    assert not got["rs0"].fused and got["rs0"].reason.endswith("but cannot run: triton is not installed")
+    assert not got["ag0"].fused and "but cannot run" not in got["ag0"].reason     # the rule keeps it unfused
+
+
 def test_gpu_name_is_none_off_cuda():
     from fastpipe.kernels.fusion_rule import gpu_name
 

@@ -287,15 +287,23 @@ def dot_f32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreting()
 
 
+def launch_problem(device) -> str | None:
+    """Why the fused kernels cannot run on tensors of this device in this process, or None where
+    they can (CUDA with triton installed; any device under TRITON_INTERPRET=1)."""
+    device = torch.device(device)
+    if _mm_sum_kernel is None:
+        return "triton is not installed"
+    if device.type != "cuda" and not interpreting():
+        return (f"the Triton kernels run on CUDA tensors, not on {device.type} (unless TRITON_INTERPRET=1 "
+                f"was set before fastpipe.kernels was first imported: the interpreter, for tests)")
+    return None
+
+
 def _require_launchable(what: str, device: torch.device) -> None:
     ref = what.removesuffix("_overlapped") + "_reference"
-    if _mm_sum_kernel is None:
-        raise KernelUnavailable(f"{what}: needs triton, which is not installed; "
-                                f"use {ref} (plain torch) instead")
-    if device.type != "cuda" and not interpreting():
-        raise KernelUnavailable(
-            f"{what}: the Triton kernel runs on CUDA tensors, found tensors on {device}; set "
-            f"TRITON_INTERPRET=1 before importing fastpipe.kernels to run it on CPU, or use {ref}")
+    why = launch_problem(device)
+    if why is not None:
+        raise KernelUnavailable(f"{what}: {why}; use {ref} (plain torch) instead")
 
 
 def launch_mm_sum(a: Sequence[Tensor], b: Sequence[Tensor], out: Tensor, *, split_cols: int = 0,

@@ -29,7 +29,8 @@ Policy: "off"; "auto" (default): fuse when every member is on one CUDA device an
 kernel was measured faster at the shape on that GPU model (fastpipe.kernels.fusion_rule; the
 reason quotes the measurement and says where this GPU was not measured); "always": fuse every
 match whose members share one device (on CPU the Triton kernels need TRITON_INTERPRET=1 - tests
-use that). Every group that could be fused gets a
+use that; where the kernels cannot run, loading refuses, naming the group, and "auto" leaves a
+group it would fuse unfused with a RuntimeWarning). Every group that could be fused gets a
 decision with its reason (Session.fusion, `fastpipe show --plan`).
 
 Loading with check_payloads=False: checked.graphs decodes each payload at its first use, once per
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -61,9 +63,11 @@ class Decision:
     supertasks: tuple[str, ...] = ()
     plan: list = field(default_factory=list, repr=False)   # per member, what to rewrite
 
+    def label(self) -> str:
+        return f"group \"{self.group}\" ({self.pattern}, supertasks {', '.join(self.supertasks)})"
+
     def line(self) -> str:
-        what = "fused" if self.fused else "not fused"
-        return f"group \"{self.group}\" ({self.pattern}, supertasks {', '.join(self.supertasks)}): {what}: {self.reason}"
+        return f"{self.label()}: {'fused' if self.fused else 'not fused'}: {self.reason}"
 
 
 def _output_nodes(gm: fx.GraphModule) -> list:
@@ -116,7 +120,7 @@ def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list
     checked at load: LoadOptions check_payloads=False).
     `region`: the region processor runs the Program (policy "auto" then leaves the group to the
     compiler, which sees the matmul and the comm as one graph)."""
-    from fastpipe.errors import FastpipeError
+    from fastpipe.errors import FastpipeError, InputError
 
     p = checked.pipeline
     graphs = checked.graphs
@@ -138,6 +142,7 @@ def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list
             d.reason = reason
             continue
         devices = {slot_devices[m.device] for m in members}
+        device = next(iter(devices))
         if policy == "off":
             d.reason = "fusion is off"
         elif len(devices) != 1:
@@ -146,17 +151,30 @@ def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list
         elif policy == "auto" and region:
             d.reason = ("the region processor compiles the matmul and the comm as one graph on one device "
                         "(fuse='always' forces the kernels)")
-        elif policy == "auto" and next(iter(devices)).type != "cuda":
+        elif policy == "auto" and device.type != "cuda":
             d.reason = ("members on " + ", ".join(sorted(str(x) for x in devices)) +
                         ": the fused kernels run on one CUDA device (fuse='always' forces them)")
-        elif policy == "auto" and not (est := _measured(d, next(iter(devices)))).fused:
+        elif policy == "auto" and not (est := _measured(d, device)).fused:
             d.reason = f"the unfused path, faster here (fastpipe.kernels.fusion_rule): {est.reason}"
+        elif why := _cannot_launch(device):
+            if policy == "always":
+                raise InputError(f"fuse: \"always\" cannot fuse {d.label()} on {device}: {why} "
+                                 f"(fuse=\"auto\" or \"off\" runs it unfused)")
+            d.reason = f"the fused kernel is faster here (fastpipe.kernels.fusion_rule), but cannot run: {why}"
+            warnings.warn(f"fastpipe: fusion: {d.line()}", RuntimeWarning, stacklevel=2)
         else:
             d.fused = True
             d.reason = ("all members match (forced)" if policy == "always" else
                         f"all members match, and the fused kernel is faster here (fastpipe.kernels.fusion_rule): "
                         f"{est.reason}")
     return out
+
+
+def _cannot_launch(device) -> str | None:
+    """Why the fused kernels cannot run on this device here (fastpipe.kernels' launch_problem)."""
+    from fastpipe.kernels.mm_reduce_scatter_kernel import launch_problem
+
+    return launch_problem(device)
 
 
 def _measured(d: Decision, device):
