@@ -70,6 +70,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -357,15 +358,20 @@ def launcher_shape(kernel: str, M: int, NK: int, n: int, dim: int) -> tuple[str,
     return ("gather_rows", M, NK // n, NK) if dim == 0 else ("mm_sum", M, NK // n, NK // n)
 
 
-def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool) -> list[KernelConfig]:
+def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: str = "mm_sum",
+                    sms: int = 132) -> list[KernelConfig]:
     """The configs --tune times: block_m around M's power of two (16..128), block_n 64/128/256 (not
     past N), block_k 64/128, (4 warps, 4 stages) or (8 warps, 3 stages); at most ~200 KiB of shared
     memory (an H100 has 227 KiB a block) and at most 128 fp32 accumulators a thread (128x256 on 4
     warps needs 256 and spills kilobytes of registers on sm_90: scripts/compile_kernels.py
-    --tune-candidates). --smoke: two interpreter-sized ones."""
+    --tune-candidates). For the mm_sum launcher, also split-K (``split_k_candidates``) where a
+    config's tiles would leave most of the GPU's ``sms`` SMs idle. --smoke: interpreter-sized ones
+    (one of them split-K for mm_sum)."""
     if smoke:
-        return [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1),
-                KernelConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1)]
+        small = [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1),
+                 KernelConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1)]
+        return small + ([KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1, split_k=2)]
+                        if launcher == "mm_sum" else [])
     p = 16
     while p < M and p < 128:
         p *= 2
@@ -381,6 +387,19 @@ def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool) -> list[Ker
                     if stages * (bm * bk + bk * bn) * elt > 200 * 1024 or bm * bn > 128 * 32 * warps:
                         continue
                     out.append(KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages))
+    return out + (split_k_candidates(M, N, out, sms) if launcher == "mm_sum" else [])
+
+
+def split_k_candidates(M: int, N: int, configs: list[KernelConfig], sms: int) -> list[KernelConfig]:
+    """Split-K versions of those block_k 64 configs whose M x N output has at most half as many tiles as
+    the GPU has SMs: split_k the power of two (2..16) that brings tiles x split_k nearest to ``sms``."""
+    out = []
+    for c in configs:
+        tiles = -(-M // c.block_m) * -(-N // c.block_n)
+        if c.block_k != 64 or 2 * tiles > sms:
+            continue
+        sk = min((2 ** e for e in range(1, 5)), key=lambda k: abs(math.log2(tiles * k / sms)))
+        out.append(dataclasses.replace(c, split_k=sk))
     return out
 
 
@@ -393,7 +412,8 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
         else (lambda cfg: all_gather_matmul(a, b, dim=dim, config=cfg))
     launcher, lm, ln, lk = launcher_shape(kernel, M, NK, n, dim)
     timed = []
-    for cfg in tune_candidates(lm, ln, dtype, smoke):
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    for cfg in tune_candidates(lm, ln, dtype, smoke, launcher, sms):
         try:
             fused(cfg)                                       # compile
             timed.append((bench(lambda cfg=cfg: fused(cfg), device, quick=True)[0], cfg))

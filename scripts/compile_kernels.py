@@ -5,6 +5,7 @@
     python scripts/compile_kernels.py --quick --json compiled.json   # the few distinct configs (CI)
     python scripts/compile_kernels.py --arch 80 --sms 108 --device-name "NVIDIA A100-SXM4-80GB"
     python scripts/compile_kernels.py --quick --config 128,256,64,8,3   # does this config fit? (bm,bn,bk,warps,stages)
+    python scripts/compile_kernels.py --kernel matmul_reduce_scatter --ms 128 --config 128,128,64,8,3,4   # split-K 4
 
 The interpreter (TRITON_INTERPRET=1) runs the kernels' arithmetic on the CPU, but never compiles
 them: a config that cannot compile, or that needs more shared memory than the GPU gives one block
@@ -53,7 +54,7 @@ class Compiled:
     """One compiled kernel: what was called, the config, and what ptxas made of it."""
 
     call: str          # e.g. "matmul_reduce_scatter dim=0 M=1024 NK=4096 n=2 bf16"
-    kernel: str        # _mm_sum_kernel / _gather_rows_kernel
+    kernel: str        # _mm_sum_kernel / _split_k_sum_kernel / _gather_rows_kernel
     config: str        # "128x256x64 w8 s3"
     shared_bytes: int = 0
     registers: int = 0
@@ -66,7 +67,8 @@ class Compiled:
 
 
 def config_text(cfg: KernelConfig) -> str:
-    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+            + (f" k{cfg.split_k}" if cfg.split_k > 1 else ""))
 
 
 class _TargetDriver:
@@ -112,8 +114,10 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
 
         def run_warmup(*args, grid, warmup, **kwargs):
             compiled = run(*args, grid=grid, warmup=True, **kwargs)
-            cfg = KernelConfig(kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["BLOCK_K"], kwargs["GROUP_M"],
-                               kwargs.get("num_warps", 4), kwargs.get("num_stages", 3))
+            # (the split-K sum kernel has no K step and no grouping: 16 and 1 stand in)
+            cfg = KernelConfig(kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs.get("BLOCK_K", 16),
+                               kwargs.get("GROUP_M", 1), kwargs.get("num_warps", 4), kwargs.get("num_stages", 3),
+                               kwargs.get("SPLIT_K", 1))
             record.append((kernel.fn.__name__, cfg, compiled))
             return compiled
         return run_warmup
@@ -127,6 +131,7 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
             patch(mod, "pick_config", pick_as_on_gpu)
             patch(mod, "_require_launchable", lambda what, device: None)
         patch(mrs._mm_sum_kernel, "run", compile_only(mrs._mm_sum_kernel))
+        patch(mrs._split_k_sum_kernel, "run", compile_only(mrs._split_k_sum_kernel))
         patch(agm._gather_rows_kernel, "run", compile_only(agm._gather_rows_kernel))
         yield
     finally:
@@ -211,8 +216,8 @@ def cases(args) -> list[tuple[str, int, int, int, int, torch.dtype]]:
 
 def tune_configs(kernel: str, M: int, NK: int, n: int, dim: int, dtype: torch.dtype) -> list[KernelConfig]:
     from bench.bench_fused_kernels import launcher_shape, tune_candidates   # the repository root is on sys.path
-    _, lm, ln, _ = launcher_shape(kernel, M, NK, n, dim)
-    return tune_candidates(lm, ln, dtype, smoke=False)
+    launcher, lm, ln, _ = launcher_shape(kernel, M, NK, n, dim)
+    return tune_candidates(lm, ln, dtype, smoke=False, launcher=launcher)
 
 
 def compile_all(args) -> list[Compiled]:
@@ -267,16 +272,19 @@ def parse(argv=None):
     p.add_argument("--tf32", action="store_true", help="fp32 as with torch.backends.cuda.matmul.allow_tf32 "
                    "(tl.dot in tf32 on the tensor cores; default: exact fp32 on FMAs, as torch's default)")
     p.add_argument("--config", help="compile this config instead of pick_config's: block_m,block_n,block_k,"
-                   "num_warps,num_stages")
+                   "num_warps,num_stages[,split_k]")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     if args.config:
         try:
-            bm, bn, bk, warps, stages = (int(x) for x in args.config.split(","))
-            args.config = KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages)
+            bm, bn, bk, warps, stages, *split = (int(x) for x in args.config.split(","))
+            if len(split) > 1:
+                raise ValueError("too many fields")
+            args.config = KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages,
+                                       split_k=split[0] if split else 1)
         except ValueError as e:
-            p.error(f"--config: expected block_m,block_n,block_k,num_warps,num_stages (powers of two >= 16 for "
-                    f"the blocks), found {args.config!r} ({e})")
+            p.error(f"--config: expected block_m,block_n,block_k,num_warps,num_stages[,split_k] (powers of two "
+                    f">= 16 for the blocks), found {args.config!r} ({e})")
     if args.quick:
         args.ms, args.nks, args.ns = "16,1024", "4096", "2"
     args.ms = [int(x) for x in args.ms.split(",")]

@@ -25,7 +25,8 @@
 #                                         # run cut short has whole crossovers: pass --nk 8192 to go on
 #   bash scripts/gpu_check.sh tune        # launch configs per shape (--tune, M 1024 and 8192): tune.json and
 #                                         # tuned_configs.json (commit as fastpipe/kernels/tuned_configs.json
-#                                         # where it beat the heuristic); `tune --ms 16,128`: decode sizes
+#                                         # where it beat the heuristic); `tune --ms 16,128`: decode sizes,
+#                                         # with the split-K candidates (docs/kernels.md)
 #   bash scripts/gpu_check.sh runtime     # issue 16, table 1: bench/report_runtime.py -> runtime.json
 #                                         # (batch 1 first; `--batches 8` or `--batches 32` goes on)
 #   bash scripts/gpu_check.sh serving --sections 1       # issue 16, table 2: bench/report_serving.py

@@ -59,6 +59,20 @@ def test_tune_candidates_fit_and_follow_m():
             assert c.block_m * c.block_n <= 128 * 32 * c.num_warps    # <= 128 accumulators a thread
         p = 16 if M <= 16 else 128 if M >= 128 else M
         assert p in {c.block_m for c in cands}                  # the tile M rounds up to is always tried
+    # split-K (mm_sum only) where a config's tiles fill at most half of the 132 SMs, to about 132 programs
+    for M, N in ((16, 4096), (128, 4096), (128, 8192), (8192, 4096)):
+        mm = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="mm_sum")
+        plain = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows")
+        assert [c for c in mm if c.split_k == 1] == plain and all(c.split_k == 1 for c in plain)
+        assert len(mm) <= 36
+        for c in mm:
+            tiles = -(-M // c.block_m) * -(-N // c.block_n)
+            if c.split_k > 1:
+                assert c.block_k == 64 and 2 * tiles <= 132 and 66 <= tiles * c.split_k <= 264, (M, N, c)
+            elif c.block_k == 64 and 2 * tiles <= 132:
+                assert any(x.split_k > 1 and (x.block_m, x.block_n, x.num_warps) == (c.block_m, c.block_n, c.num_warps)
+                           for x in mm)
+        assert any(c.split_k > 1 for c in mm) == (M < 1024)
     assert launcher_shape("matmul_reduce_scatter", 1024, 4096, 4, 0) == ("mm_sum", 1024, 4096, 4096)
     assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 0) == ("gather_rows", 1024, 1024, 4096)
     assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 1) == ("mm_sum", 1024, 1024, 1024)
@@ -95,7 +109,7 @@ def test_smoke_tune_then_table(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     for row in rows:
         t = row["tuned"]
-        assert t["check"] == "ok" and t["candidates"] == 2 and t["launcher"] == "mm_sum" and t["ms"] > 0
+        assert t["check"] == "ok" and t["candidates"] == 3 and t["launcher"] == "mm_sum" and t["ms"] > 0
         assert (t["M"], t["N"], t["K"], t["n"]) == (row["M"], 64, 64, 2)
     r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--write-tuned", str(table), str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)

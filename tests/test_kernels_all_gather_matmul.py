@@ -24,6 +24,7 @@ from fastpipe.kernels import (  # noqa: E402
 )
 from fastpipe.kernels import all_gather_mm_kernel as agm  # noqa: E402
 from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting  # noqa: E402
+from tests.kernel_launches import Launches  # noqa: E402
 from tests.tensor_compare import assert_close, tolerance  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -92,22 +93,11 @@ def test_dim0_mixed_shard_layouts_and_tiny_tiles():
     assert_matches(all_gather_matmul(a, b, dim=0, config=cfg), a, b, 0)
 
 
-class _Launches:
-    """Stands in for agm._gather_rows_kernel: records each launch's grid, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize("n", [2, 4])
 def test_dim0_every_output_in_one_launch(monkeypatch, n):
     """One launch computes all n outputs (grid axis 1 is the output): n launches one after another
     would each fill only 1/n of the GPU at a decode's M, and wait for the one before."""
-    launches = _Launches(agm._gather_rows_kernel)
+    launches = Launches(agm._gather_rows_kernel)
     monkeypatch.setattr(agm, "_gather_rows_kernel", launches)
     a, b = operands(n, 0, torch.float32, seed=7)
     outs = all_gather_matmul(a, b, dim=0)
@@ -137,6 +127,17 @@ def test_dim1_noncontiguous_shards():
     a = [torch.randn(19, 40, generator=g).t().to(DEV), torch.randn(40, 30, generator=g)[:, ::2].to(DEV)]
     b = [torch.randn(34, 21, generator=g).to(DEV), torch.randn(18, 34, generator=g).t().to(DEV)]  # K = 19 + 15
     assert_matches(all_gather_matmul(a, b, dim=1), a, b, 1)
+
+
+def test_dim1_split_k_and_dim0_refuses_it():
+    """dim 1 runs on the mm_sum launcher, so a split-K config applies there; dim 0's kernel writes each
+    tile once and refuses one, naming the field."""
+    a, b = operands(3, 1, torch.float32, seed=9)
+    cfg = KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1, split_k=3)
+    assert_matches(all_gather_matmul(a, b, dim=1, config=cfg), a, b, 1)
+    a, b = operands(2, 0, torch.float32, seed=9)
+    with pytest.raises(ValueError, match="^all_gather_matmul: config.split_k: expected 1 .*found 3$"):
+        all_gather_matmul(a, b, dim=0, config=cfg)
 
 
 def test_outputs_are_fresh():

@@ -96,3 +96,17 @@ def test_tf32_puts_fp32_on_the_tensor_cores(tmp_path):
                                  "--ms", "1024")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert rows and all(r["mma"] == "wgmma" and not r["problems"] for r in rows), rows
+
+
+def test_a_split_k_config_compiles_for_hopper(tmp_path):
+    """split-K 4 on 128x128 tiles (M 128, where a plain config has few tiles): the shares' kernel keeps
+    wgmma and pipelined loads, and the kernel that adds the shares compiles without spills."""
+    done, rows = compile_kernels(tmp_path, "--kernel", "matmul_reduce_scatter", "--ms", "128", "--nk", "4096",
+                                 "--ns", "2", "--config", "128,128,64,8,3,4")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    shares = [r for r in rows if r["kernel"] == "_mm_sum_kernel"]
+    sums = [r for r in rows if r["kernel"] == "_split_k_sum_kernel"]
+    assert shares and sums and len(rows) == len(shares) + len(sums), rows
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["config"].endswith(" k4"), r
+    assert all(r["mma"] == "wgmma" and r["loads"] == "cp.async" for r in shares), shares

@@ -28,6 +28,7 @@ from fastpipe.kernels import (  # noqa: E402
 )
 from fastpipe.kernels import mm_reduce_scatter_kernel as mrs  # noqa: E402
 from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting, launch_mm_sum  # noqa: E402
+from tests.kernel_launches import Launches  # noqa: E402
 from tests.tensor_compare import assert_close, tolerance  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -126,6 +127,47 @@ def test_noncontiguous_activations_and_tiny_tiles():
     assert_matches(matmul_reduce_scatter(a, b, dim=0, config=cfg), a, b, 0)
     b = [x[:, :32] for x in b]  # N = 32, divisible by 2
     assert_matches(matmul_reduce_scatter(a, b, dim=1, config=cfg), a, b, 1)
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 16])
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("n", [1, 3])
+def test_split_k_matches_float64(n, dim, split_k):
+    """split-K: each program sums a run of the tile's K-steps over all participants (K_i of 45, 52,
+    59: runs that cross participants and end inside one), the shares added by a second launch.
+    16 splits of 3 to 12 steps leave some programs no steps (their share is zero)."""
+    M, N, ks = shape_for(n, dim)
+    a, b = operands(n, M, N, ks, torch.float32, seed=n * 10 + dim + split_k)
+    cfg = KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1, split_k=split_k)
+    assert_matches(matmul_reduce_scatter(a, b, dim=dim, config=cfg), a, b, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_split_k_avg_in_16_bit(dtype):
+    """The shares stay float32; the sum is scaled (avg) and rounded to the dtype once."""
+    M, N, ks = shape_for(2, 1)
+    a, b = operands(2, M, N, ks, dtype, seed=11)
+    cfg = KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1, split_k=4)
+    assert_matches(matmul_reduce_scatter(a, b, dim=1, op="avg", config=cfg), a, b, 1, "avg")
+
+
+def test_split_k_is_one_more_launch_and_deterministic(monkeypatch):
+    """split_k > 1: the shares' launch (grid axis 1 = the share) and one launch that adds them; the same
+    inputs give bitwise the same outputs (the shares are added in a fixed order, no atomics)."""
+    M, N, ks = shape_for(2, 0)
+    a, b = operands(2, M, N, ks, torch.float32, seed=12)
+    monkeypatch.setattr(mrs, "interpreting", lambda was=interpreting(): was)   # it looks at _mm_sum_kernel's type
+    shares, sums = Launches(mrs._mm_sum_kernel), Launches(mrs._split_k_sum_kernel)
+    monkeypatch.setattr(mrs, "_mm_sum_kernel", shares)
+    monkeypatch.setattr(mrs, "_split_k_sum_kernel", sums)
+    cfg = KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1, split_k=4)
+    first = matmul_reduce_scatter(a, b, dim=0, config=cfg)
+    tiles = -(-M // 16) * -(-N // 16)
+    assert shares.grids == [(tiles, 4)] and sums.grids == [(-(-M // 16), -(-N // 16))]
+    again = matmul_reduce_scatter(a, b, dim=0, config=cfg)
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    matmul_reduce_scatter(a, b, dim=0, config=KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1))
+    assert shares.grids[-1] == (tiles, 1) and len(sums.grids) == 2                # no split: one launch
 
 
 def test_outputs_are_fresh_chunks():
@@ -326,6 +368,9 @@ def test_kernel_config_validation():
         KernelConfig(8, 32, 32)
     with pytest.raises(ValueError, match="power of two >= 16"):
         KernelConfig(32, 48, 32)
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(ValueError, match=f"^KernelConfig.split_k: expected an integer from 1 to 16, found {bad!r}"):
+            KernelConfig(32, 32, 32, split_k=bad)
 
 
 def test_interpreter_compat_fixes_only_a_broken_interpreter(monkeypatch):
@@ -392,6 +437,31 @@ def test_gpu_scale_bf16(M, n, dim):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("split_k", [4, 16])
+def test_gpu_split_k_bf16_and_in_a_captured_graph(split_k, dim):
+    """split-K at a decode's M on the GPU, eagerly and replayed from a CUDA graph (the runtime's way:
+    the shares' workspace then comes from the graph's pool)."""
+    a, b = operands(2, 128, 4096, [4096, 4096], torch.bfloat16, seed=split_k + dim, device="cuda")
+    cfg = KernelConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3, split_k=split_k)
+    eager = matmul_reduce_scatter(a, b, dim=dim, config=cfg)
+    assert_matches(eager, a, b, dim, tol=(8e-3, 1e-5))
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        matmul_reduce_scatter(a, b, dim=dim, config=cfg)          # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = matmul_reduce_scatter(a, b, dim=dim, config=cfg)
+    for x in captured:
+        x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(x, y) for x, y in zip(captured, eager))   # the shares are added in a fixed order
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_gpu_scale_other_dtypes(dtype):
     a, b = operands(2, 2048, 4096, [2048, 2048], dtype, seed=1, device="cuda")
@@ -447,16 +517,21 @@ b = [torch.empty(2048, 1024, dtype=bf).t() for _ in range(2)]  # w.t(): [K, N], 
 out = torch.empty(2, 4096, 1024, dtype=bf)
 blocks = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 k1 = _mm_sum_kernel.warmup(
-    tuple(a), tuple(b), (1024, 1024), (1024, 1024), (1, 1), (1, 1), (1024, 1024), out, 4096, 2048, 1024, 1,
-    1024, 4096 * 1024, 0.5, NPART=2, SPLIT_COLS=True, APPLY_SCALE=True, INPUT_PRECISION="ieee", DOT_F32=False,
-    grid=(1,), **blocks)
+    tuple(a), tuple(b), (1024, 1024), (1024, 1024), (1, 1), (1, 1), (1024, 1024), out, out, 4096, 2048, 1024, 1,
+    1024, 4096 * 1024, 0.5, NPART=2, SPLIT_COLS=True, APPLY_SCALE=True, SPLIT_K=1, INPUT_PRECISION="ieee",
+    DOT_F32=False, grid=(1,), **blocks)
+ws = torch.empty(4 * 4096 * 2048, dtype=torch.float32)
+k3 = _mm_sum_kernel.warmup(   # split-K 4: each program a quarter of the K-steps, float32 shares into ws
+    tuple(a), tuple(b), (1024, 1024), (1024, 1024), (1, 1), (1, 1), (1024, 1024), out, ws, 4096, 2048, 1024, 1,
+    1024, 4096 * 1024, 0.5, NPART=2, SPLIT_COLS=True, APPLY_SCALE=True, SPLIT_K=4, INPUT_PRECISION="ieee",
+    DOT_F32=False, grid=(1, 4), **dict(blocks, BLOCK_N=128))
 shards = [torch.empty(1000, 1024, dtype=bf) for _ in range(2)]
 c = [torch.empty(2000, 2048, dtype=bf) for _ in range(2)]
 k2 = _gather_rows_kernel.warmup(
     tuple(shards), (1024, 1024), (1, 1), tuple(b), (1, 1), (1024, 1024), tuple(c), (2048, 2048), (1, 1),
     (2048, 2048), 1000, 1024, NPART=2, SAME_SAK=True, SAME_OUT=True, ROW_ALIGN=16, INPUT_PRECISION="ieee",
     DOT_F32=False, grid=(1, 2), **blocks)
-for name, k in (("mm_sum", k1), ("gather_rows", k2)):
+for name, k in (("mm_sum", k1), ("gather_rows", k2), ("mm_sum_split_k", k3)):
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     print(name, "wgmma" in ptx, ttgir.count("async_copy_global_to_local"), ttgir.count("tt.load "))
 '''
@@ -480,7 +555,7 @@ def test_kernels_compile_for_hopper_with_wgmma_and_pipelined_loads(tmp_path):
     if run.stdout.startswith("SKIP:"):
         pytest.skip(run.stdout.strip())
     rows = [line.split() for line in run.stdout.strip().splitlines()]
-    assert [r[0] for r in rows] == ["mm_sum", "gather_rows"], run.stdout
+    assert [r[0] for r in rows] == ["mm_sum", "gather_rows", "mm_sum_split_k"], run.stdout
     for name, wgmma, async_copies, sync_loads in rows:
         assert wgmma == "True", f"{name}: no wgmma in the PTX"
         assert int(async_copies) >= 2 and int(sync_loads) == 0, f"{name}: loads not pipelined: {run.stdout}"

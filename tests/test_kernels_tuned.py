@@ -59,6 +59,11 @@ def test_tuned_entry_wins_where_it_applies(tmp_path, monkeypatch, on_h100):
     ({"format": 1, "entries": [{**entry(8, 16), "launcher": "mm"}]}, "entries[0].launcher: expected one of"),
     ({"format": 1, "entries": [{**entry(8, 16), "dtype": "bf16"}]}, "entries[0].dtype: expected a torch dtype"),
     ({"format": 1, "entries": [entry(8, 16), {**entry(8, 16), "config": {"block_m": 24}}]}, "entries[1].config"),
+    ({"format": 1, "entries": [{**entry(8, 16), "config": {**entry(8, 16)["config"], "split_k": 0}}]},
+     "entries[0].config: expected KernelConfig fields"),
+    ({"format": 1, "entries": [{**entry(8, 16, launcher="gather_rows"), "config": {**entry(8, 16)["config"],
+                                                                               "split_k": 2}}]},
+     "entries[0].config.split_k: expected 1 for the gather_rows launcher"),
 ])
 def test_bad_table_is_reported_once_and_not_used(tmp_path, monkeypatch, on_h100, doc, field):
     monkeypatch.delenv("FASTPIPE_TUNED_CONFIGS", raising=False)
@@ -82,3 +87,16 @@ def test_no_table_is_the_heuristic(tmp_path, monkeypatch, on_h100):
         warnings.simplefilter("error")
         cfg = pick_config(8192, 4096, 4096, torch.bfloat16, "cuda")
     assert (cfg.block_m, cfg.block_n, cfg.block_k) == (128, 256, 64)
+
+
+def test_a_split_k_config_applies_only_near_its_m(tmp_path, monkeypatch, on_h100):
+    """A split-K config tuned at M 128 (128 rows fill few tiles) is not carried above its window, as a
+    plain config is: at M 8192 the rows fill the GPU, and the shares' workspace would be 64x larger."""
+    split = {**entry(128, 64), "config": {**entry(128, 64)["config"], "split_k": 4}}
+    write(tmp_path, monkeypatch, {"format": 1, "entries": [entry(16, 16), split]})
+    pick = lambda M: pick_config(M, 4096, 4096, torch.bfloat16, "cuda", n=2)  # noqa: E731
+    assert (pick(128).block_m, pick(128).split_k) == (64, 4) and pick(256).split_k == 4
+    heuristic = pick(8192)
+    assert heuristic.split_k == 1 and heuristic.block_m == 128 and heuristic.num_stages != 5
+    write(tmp_path, monkeypatch, {"format": 1, "entries": [entry(16, 16), entry(128, 64)]})
+    assert pick(8192).block_m == 64                   # a plain config: above the largest M too

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_SPLIT_K = 16
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -13,6 +15,11 @@ class KernelConfig:
     block_m/block_n/block_k: the output tile and the K step (powers of two, >= 16: tl.dot's minimum).
     group_m: row tiles per group in the grouped (L2-friendly) program order.
     num_warps/num_stages: Triton's; stages is the depth of the software pipeline of loads.
+    split_k: the mm_sum launcher only (matmul_reduce_scatter; all_gather_matmul dim 1): the K-loop
+    cut into this many programs per output tile, each summing its share of the K-steps (over all
+    participants) into a float32 workspace, then one more launch adds the shares in a fixed order
+    and writes the tile. More programs where the output has fewer tiles than the GPU has SMs (a
+    decode's M), at the cost of split_k x M x N x 4 bytes written and read back. 1: no split.
     """
 
     block_m: int
@@ -21,6 +28,7 @@ class KernelConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -29,3 +37,6 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name}: expected a power of two >= 16, found {v}")
         if self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"KernelConfig: expected group_m, num_warps, num_stages >= 1, found {self}")
+        if isinstance(self.split_k, bool) or not isinstance(self.split_k, int) or not 1 <= self.split_k <= MAX_SPLIT_K:
+            raise ValueError(f"KernelConfig.split_k: expected an integer from 1 to {MAX_SPLIT_K}, "
+                             f"found {self.split_k!r}")

@@ -10,7 +10,9 @@ participant j. The story of this file:
 2. ``_mm_sum_kernel`` -- the ``@triton.jit`` kernel. One program owns one output tile and
    runs the K-loop of *every* participant into the same fp32 accumulator, then writes the
    tile once, straight into the chunk it belongs to. No partial product ever reaches
-   memory.
+   memory -- unless the config splits K (``KernelConfig.split_k``, from a tuned table only):
+   then each of split_k programs per tile writes its float32 share of the K-steps, and
+   ``_split_k_sum_kernel`` adds the shares in order and writes the tile.
 3. :func:`pick_config` / :func:`matmul_reduce_scatter` -- the launcher: validates, picks
    block sizes, allocates the n output chunks as one buffer and launches one grid.
 4. :func:`matmul_reduce_scatter_overlapped` -- for participants on *different* GPUs: each
@@ -119,11 +121,28 @@ def matmul_reduce_scatter_reference(a: Sequence[Tensor], b: Sequence[Tensor], di
 if triton is not None:
 
     @triton.jit
+    def _store_tile(C, vals, offs_cm, offs_cn, M, N, stride_cm, stride_cn, chunk_n, stride_cj,
+                    SPLIT_COLS: tl.constexpr):
+        """C[offs_cm, offs_cn] <- vals (masked to M x N): element (r, c) at ``r*stride_cm + c*stride_cn``
+        (a plain [M, N] output, or the row chunks of one [n, M/n, N] buffer, which is the same thing),
+        or, with SPLIT_COLS, chunk ``j = c // chunk_n`` at ``j*stride_cj + r*stride_cm +
+        (c - j*chunk_n)*stride_cn`` (the column chunks of one [n, M, N/n] buffer)."""
+        mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
+        rows = offs_cm.to(tl.int64)[:, None] * stride_cm
+        if SPLIT_COLS:
+            j = offs_cn // chunk_n
+            cols = j.to(tl.int64) * stride_cj + (offs_cn - j * chunk_n).to(tl.int64) * stride_cn
+        else:
+            cols = offs_cn.to(tl.int64) * stride_cn
+        tl.store(C + (rows + cols[None, :]), vals, mask=mask)
+
+    @triton.jit
     def _mm_sum_kernel(
         A, B,                    # tuples of NPART pointers: A[i] -> [M, K_i], B[i] -> [K_i, N]
         K,                       # tuple of NPART ints: K_i
         SAM, SAK, SBK, SBN,      # tuples of NPART strides (elements): a[i].stride(), b[i].stride()
         C,                       # output buffer, dtype of the result
+        W,                       # SPLIT_K > 1: float32 workspace [SPLIT_K, M, N] (else unused)
         M, N,
         stride_cm, stride_cn,    # output strides within one chunk
         chunk_n, stride_cj,      # SPLIT_COLS: columns per chunk, and the distance between chunks
@@ -131,17 +150,15 @@ if triton is not None:
         NPART: tl.constexpr,
         SPLIT_COLS: tl.constexpr,
         APPLY_SCALE: tl.constexpr,
+        SPLIT_K: tl.constexpr,   # programs per output tile (grid axis 1), each a share of the K-steps
         INPUT_PRECISION: tl.constexpr,
         DOT_F32: tl.constexpr,   # interpreter + bf16 only: upcast tiles before tl.dot (see dot_f32)
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        """C[tile] = scale * sum_i A[i][rows, :] @ B[i][:, cols]; one tile per program, written once.
-
-        Output addressing of element (r, c): ``r*stride_cm + c*stride_cn`` (a plain [M, N]
-        output, or the row chunks of one [n, M/n, N] buffer, which is the same thing), or,
-        with SPLIT_COLS, chunk ``j = c // chunk_n`` at ``j*stride_cj + r*stride_cm +
-        (c - j*chunk_n)*stride_cn`` (the column chunks of one [n, M, N/n] buffer).
-        """
+        """C[tile] = scale * sum_i A[i][rows, :] @ B[i][:, cols]; one tile per program, written once
+        (``_store_tile``). With SPLIT_K > 1, program (tile, s) sums the s-th of SPLIT_K equal runs of
+        the tile's K-steps (all participants' steps in order, BLOCK_K each) into W[s];
+        ``_split_k_sum_kernel`` then adds the SPLIT_K shares and writes the tile."""
         # grouped ordering: GROUP_M row tiles share their B column tiles in L2
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -157,11 +174,28 @@ if triton is not None:
         offs_am = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M).to(tl.int64)
         offs_bn = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
+        if SPLIT_K > 1:   # this program's run [lo, lo + per) of the tile's K-steps, counted over all participants
+            steps = 0
+            for i in tl.static_range(NPART):
+                steps += tl.cdiv(K[i], BLOCK_K)
+            per = tl.cdiv(steps, SPLIT_K)
+            lo = tl.program_id(1) * per
+            done = 0      # the steps of the participants before i
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(NPART):  # every participant's K-slices, one accumulator
-            a_ptrs = A[i] + (offs_am[:, None] * SAM[i] + offs_k[None, :] * SAK[i])
-            b_ptrs = B[i] + (offs_k[:, None] * SBK[i] + offs_bn[None, :] * SBN[i])
-            for k in range(0, tl.cdiv(K[i], BLOCK_K)):
+            if SPLIT_K > 1:
+                k_steps = tl.cdiv(K[i], BLOCK_K)
+                k0 = min(max(lo - done, 0), k_steps)
+                k1 = min(max(lo + per - done, 0), k_steps)
+                done += k_steps
+                a_ptrs = A[i] + (offs_am[:, None] * SAM[i] + (offs_k[None, :] + k0 * BLOCK_K) * SAK[i])
+                b_ptrs = B[i] + ((offs_k[:, None] + k0 * BLOCK_K) * SBK[i] + offs_bn[None, :] * SBN[i])
+            else:
+                a_ptrs = A[i] + (offs_am[:, None] * SAM[i] + offs_k[None, :] * SAK[i])
+                b_ptrs = B[i] + (offs_k[:, None] * SBK[i] + offs_bn[None, :] * SBN[i])
+                k0 = 0
+                k1 = tl.cdiv(K[i], BLOCK_K)
+            for k in range(k0, k1):
                 k_left = K[i] - k * BLOCK_K
                 a_t = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                 b_t = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
@@ -172,22 +206,38 @@ if triton is not None:
                 a_ptrs += BLOCK_K * SAK[i]
                 b_ptrs += BLOCK_K * SBK[i]
 
-        if APPLY_SCALE:
-            acc = acc * scale
-        c_t = acc.to(C.dtype.element_ty)
         offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
-        rows = offs_cm.to(tl.int64)[:, None] * stride_cm
-        if SPLIT_COLS:
-            j = offs_cn // chunk_n
-            cols = j.to(tl.int64) * stride_cj + (offs_cn - j * chunk_n).to(tl.int64) * stride_cn
+        if SPLIT_K > 1:   # W[s] is a row-major [M, N] float32 plane
+            _store_tile(W + tl.program_id(1).to(tl.int64) * M * N, acc, offs_cm, offs_cn, M, N, N, 1, 1, 0, False)
         else:
-            cols = offs_cn.to(tl.int64) * stride_cn
-        tl.store(C + (rows + cols[None, :]), c_t, mask=mask)
+            if APPLY_SCALE:
+                acc = acc * scale
+            _store_tile(C, acc.to(C.dtype.element_ty), offs_cm, offs_cn, M, N, stride_cm, stride_cn,
+                        chunk_n, stride_cj, SPLIT_COLS)
+
+    @triton.jit
+    def _split_k_sum_kernel(
+        W, C, M, N, stride_cm, stride_cn, chunk_n, stride_cj, scale,
+        SPLIT_K: tl.constexpr, SPLIT_COLS: tl.constexpr, APPLY_SCALE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """C[tile] = scale * sum_s W[s][tile], the shares added in order s = 0, 1, ... (deterministic),
+        rounded once to C's dtype; C addressed as _mm_sum_kernel's output."""
+        offs_cm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
+        rows = offs_cm.to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):   # W[s] is a row-major [M, N] plane
+            acc += tl.load(W + ((rows + s * M)[:, None] * N + offs_cn[None, :]), mask=mask, other=0.0)
+        if APPLY_SCALE:
+            acc = acc * scale
+        _store_tile(C, acc.to(C.dtype.element_ty), offs_cm, offs_cn, M, N, stride_cm, stride_cn,
+                    chunk_n, stride_cj, SPLIT_COLS)
 
 else:  # pragma: no cover
-    _mm_sum_kernel = None
+    _mm_sum_kernel = _split_k_sum_kernel = None
 
 
 # ---------------------------------------------------------------------------
@@ -235,8 +285,8 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
       ``BLOCK_K`` is 64, or 128 when BLOCK_M <= 64: small M is bound by reading B, and a
       longer K step keeps more bytes in flight per stage. ``BLOCK_N`` starts at 256 (with
       BLOCK_M 128) or 128, and halves (down to 32) while the grid would leave SMs idle --
-      there is no split-K (the tile is written once), so parallelism comes from N tiles
-      (gather_rows: from the n outputs' N tiles together).
+      the heuristic does not split K (a tuned config may: ``KernelConfig.split_k``), so
+      parallelism comes from N tiles (gather_rows: from the n outputs' N tiles together).
       ``num_warps`` 8 for tiles of >= 128x128, else 4; ``num_stages`` 3 for 128x256 tiles
       (3 x 48 KiB of shared memory), else 4.
     * float32 on a GPU: 128x128x32 (64x128 for M <= 64), 8 warps, 3 stages -- fp32 tiles
@@ -323,18 +373,28 @@ def launch_mm_sum(a: Sequence[Tensor], b: Sequence[Tensor], out: Tensor, *, spli
     kmax = max(int(x.shape[1]) for x in a)
     cfg = config or pick_config(M, N, kmax, a[0].dtype, out.device, launcher="mm_sum", n=len(a))
     scm, scn = out_strides if out_strides is not None else out.stride()
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
+    sk = cfg.split_k
+    # split-K: the shares' float32 [split_k, M, N] workspace (from the caching allocator; inside a
+    # captured graph, from the graph's pool)
+    ws = torch.empty(sk * M * N, dtype=torch.float32, device=out.device) if sk > 1 else out
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), sk)
+    out_args = (M, N, scm, scn, max(split_cols, 1), chunk_stride, 1.0 if scale is None else float(scale))
     with device_guard(out.device):  # Triton launches on the current device, not the tensors'
         _mm_sum_kernel[grid](
             tuple(a), tuple(b), tuple(int(x.shape[1]) for x in a),
             tuple(x.stride(0) for x in a), tuple(x.stride(1) for x in a),
             tuple(x.stride(0) for x in b), tuple(x.stride(1) for x in b),
-            out, M, N, scm, scn, max(split_cols, 1), chunk_stride, 1.0 if scale is None else float(scale),
-            NPART=len(a), SPLIT_COLS=split_cols > 0, APPLY_SCALE=scale is not None,
+            out, ws, *out_args,
+            NPART=len(a), SPLIT_COLS=split_cols > 0, APPLY_SCALE=scale is not None, SPLIT_K=sk,
             INPUT_PRECISION=_input_precision(a[0].dtype), DOT_F32=dot_f32(a[0].dtype),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        if sk > 1:   # memory-bound: 32x128 tiles of 4 warps (32 accumulators a thread)
+            bm, bn = min(cfg.block_m, 32), min(cfg.block_n, 128)
+            _split_k_sum_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+                ws, out, *out_args, SPLIT_K=sk, SPLIT_COLS=split_cols > 0, APPLY_SCALE=scale is not None,
+                BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
     return out
 
 

@@ -13,9 +13,11 @@ launcher: the kernel launched, ``mm_sum`` (matmul_reduce_scatter; all_gather_mat
 longest participant's K, participants). An entry applies to the GPU whose name it records (a config
 tuned on one GPU says nothing of another's), the same dtype, N, K and n, and to calls whose M is within
 a factor of two of its own (M/2 < call's M <= 2M; the nearest entry wins, a tie the larger), and above
-the largest measured M, to every M. Elsewhere the heuristic picks: a config's fitness depends on how
-many tiles the grid has (ceil(M / BLOCK_M) x ceil(N / BLOCK_N) against the SMs), so one tuned at M 1024
-(a 128x256 tile, 128 tiles at N 4096) would leave most of an H100 idle at a decode's M 16 (16 tiles).
+the largest measured M, to every M -- but a split-K config (``config.split_k`` > 1; the mm_sum
+launcher's only) only within its factor of two: a larger M fills the GPU with its own tiles.
+Elsewhere the heuristic picks: a config's fitness depends on how many tiles the grid has
+(ceil(M / BLOCK_M) x ceil(N / BLOCK_N) against the SMs), so one tuned at M 1024 (a 128x256 tile, 128
+tiles at N 4096) would leave most of an H100 idle at a decode's M 16 (16 tiles).
 
 Where: ``$FASTPIPE_TUNED_CONFIGS`` if set, else ``tuned_configs.json`` beside this file (shipped
 when a GPU session has measured one). No table: the heuristic. A table that cannot be read or
@@ -61,6 +63,9 @@ def parse_table(doc, where: str) -> dict[tuple, list[tuple[int, object]]]:
             cfg = KernelConfig(**e["config"])
         except (TypeError, ValueError) as err:
             raise ValueError(f"{at}.config: expected KernelConfig fields, found {e['config']!r} ({err})") from None
+        if e["launcher"] == "gather_rows" and cfg.split_k != 1:
+            raise ValueError(f"{at}.config.split_k: expected 1 for the gather_rows launcher (split-K is mm_sum's), "
+                             f"found {cfg.split_k}")
         key = (e["launcher"], e["device"], e["dtype"], e["N"], e["K"], e["n"])
         out.setdefault(key, []).append((e["M"], cfg))
     for rows in out.values():
@@ -99,4 +104,7 @@ def lookup(launcher: str, M: int, N: int, K: int, n: int, dtype: torch.dtype, de
     near = [(abs(math.log2(M / m)), -m, cfg) for m, cfg in rows if m / 2 < M <= 2 * m]
     if near:
         return min(near, key=lambda t: t[:2])[2]
-    return rows[-1][1] if M > rows[-1][0] else None
+    top = rows[-1][1]
+    # above the largest measured M its config, unless split-K: more rows bring their own tiles, and
+    # the shares' workspace grows with M
+    return top if M > rows[-1][0] and top.split_k == 1 else None
