@@ -91,6 +91,7 @@ from fastpipe.kernels import KernelConfig, all_gather_matmul, fused_is_faster, m
 from fastpipe.kernels.fusion_rule import (  # noqa: E402
     KERNEL_REVISIONS, dump_table, fused_wins, gpu_name, newest_rows, row_revision, rows_of, stale_revisions,
     table_from_rows)
+from fastpipe.kernels.mm_reduce_scatter_kernel import _num_sms  # noqa: E402
 from tests.tensor_compare import error_ratio  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -412,8 +413,7 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
         else (lambda cfg: all_gather_matmul(a, b, dim=dim, config=cfg))
     launcher, lm, ln, lk = launcher_shape(kernel, M, NK, n, dim)
     timed = []
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    for cfg in tune_candidates(lm, ln, dtype, smoke, launcher, sms):
+    for cfg in tune_candidates(lm, ln, dtype, smoke, launcher, _num_sms(device)):
         try:
             fused(cfg)                                       # compile
             timed.append((bench(lambda cfg=cfg: fused(cfg), device, quick=True)[0], cfg))
@@ -523,9 +523,9 @@ def print_thresholds(ts: list[dict]) -> None:
     print("measured crossover: fused beats the runtime's unfused path from min_M on (None: never, at the sizes run)")
     for t in ts:
         sp = ", ".join(f"M={m}: {s:.2f}x" for m, s in t["speedup_by_M"].items())
+        agrees = "agrees" if t["rule_agrees"] else "DISAGREES"
         print(f"  {t['device']}: {t['kernel']} dim {t['dim']} {t['dtype']} N={t['N']} K_total={t['K_total']} "
-              f"n={t['n']}: min_M={t['min_M']}  ({sp}; the shipped rule {'agrees' if t['rule_agrees'] else 'DISAGREES'})"
-              + _stale(t))
+              f"n={t['n']}: min_M={t['min_M']}  ({sp}; the shipped rule {agrees})" + _stale(t))
     for device, kernel in sorted({(t["device"], t["kernel"]) for t in ts}):
         ks = [t for t in ts if (t["device"], t["kernel"]) == (device, kernel)]
         found = [t["min_M"] for t in ks if t["min_M"] is not None]

@@ -191,7 +191,8 @@ def launch_gather_rows(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
     _require_launchable(what, outs[0].device)
     if config is not None and config.split_k != 1:
         raise ValueError(f"{what}: config.split_k: expected 1 (dim 0 writes each tile once; split-K is the "
-                         f"mm_sum launcher's: matmul_reduce_scatter, all_gather_matmul dim 1), found {config.split_k}")
+                         f"mm_sum launcher's: matmul_reduce_scatter, all_gather_matmul dim 1), "
+                         f"found {config.split_k}")
     ms, K = a[0].shape
     M = outs[0].shape[0]
     ns = [int(o.shape[1]) for o in outs]

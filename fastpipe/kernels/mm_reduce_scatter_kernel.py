@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from fastpipe.errors import RunError
+from fastpipe.kernels.fusion_rule import gpu_name
 from fastpipe.kernels.launch_config import KernelConfig
 from fastpipe.kernels.tuned import lookup
 
@@ -257,8 +258,9 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _device_name(device: torch.device) -> str:
-    """The GPU's name (the tuned table's key), once per device: pick_config runs at every launch."""
-    return torch.cuda.get_device_name(device) if torch.cuda.is_available() else ""   # "": no table entry
+    """The GPU's name (the tuned table's key, as the fusion rule's), once per device: pick_config runs
+    at every launch."""
+    return gpu_name(device) or ""   # "": no table entry
 
 
 def _pow2_clamp(x: int, lo: int, hi: int) -> int:
