@@ -91,6 +91,7 @@ from fastpipe.kernels import KernelConfig, all_gather_matmul, fused_is_faster, m
 from fastpipe.kernels.fusion_rule import (  # noqa: E402
     KERNEL_REVISIONS, dump_table, fused_wins, gpu_name, newest_rows, row_revision, rows_of, stale_revisions,
     table_from_rows)
+from fastpipe.kernels import mm_sum_tma  # noqa: E402
 from fastpipe.kernels.mm_reduce_scatter_kernel import _num_sms  # noqa: E402
 from tests.tensor_compare import error_ratio  # noqa: E402
 
@@ -360,19 +361,22 @@ def launcher_shape(kernel: str, M: int, NK: int, n: int, dim: int) -> tuple[str,
 
 
 def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: str = "mm_sum",
-                    sms: int = 132) -> list[KernelConfig]:
+                    sms: int = 132, tma: bool = False) -> list[KernelConfig]:
     """The configs --tune times: block_m around M's power of two (16..128), block_n 64/128/256 (not
     past N), block_k 64/128, (4 warps, 4 stages) or (8 warps, 3 stages); at most ~200 KiB of shared
     memory (an H100 has 227 KiB a block) and at most 128 fp32 accumulators a thread (128x256 on 4
     warps needs 256 and spills kilobytes of registers on sm_90: scripts/compile_kernels.py
     --tune-candidates). For the mm_sum launcher, also split-K (``split_k_candidates``) where a
-    config's tiles would leave most of the GPU's ``sms`` SMs idle. --smoke: interpreter-sized ones
-    (one of them split-K for mm_sum)."""
+    config's tiles would leave most of the GPU's ``sms`` SMs idle, and with ``tma`` (a GPU of compute
+    capability 9.0 or newer) the persistent TMA kernel (``tma_candidates``). --smoke: interpreter-sized
+    ones (for mm_sum, one split-K and, with ``tma``, one TMA)."""
     if smoke:
         small = [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1),
                  KernelConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1)]
-        return small + ([KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1, split_k=2)]
-                        if launcher == "mm_sum" else [])
+        if launcher != "mm_sum":
+            return small
+        return small + [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1, split_k=2)] + \
+            ([KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1, tma=True)] if tma else [])
     p = 16
     while p < M and p < 128:
         p *= 2
@@ -388,7 +392,25 @@ def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: s
                     if stages * (bm * bk + bk * bn) * elt > 200 * 1024 or bm * bn > 128 * 32 * warps:
                         continue
                     out.append(KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages))
-    return out + (split_k_candidates(M, N, out, sms) if launcher == "mm_sum" else [])
+    if launcher != "mm_sum":
+        return out
+    return out + split_k_candidates(M, N, out, sms) + (tma_candidates(out) if tma else [])
+
+
+def _has_tma(device: torch.device, smoke: bool) -> bool:
+    """Whether --tune times the TMA kernel: on a GPU that has TMA (compute capability 9.0 or newer), and
+    in --smoke runs, whose interpreter runs it on CPU tensors."""
+    if device.type != "cuda":
+        return smoke
+    return mm_sum_tma.device_problem(device) is None
+
+
+def tma_candidates(configs: list[KernelConfig]) -> list[KernelConfig]:
+    """The persistent TMA kernel (``fastpipe.kernels.mm_sum_tma``) with the tiles of those configs that have
+    at least 64 rows and 8 warps and 3 stages: Hopper's warpgroup MMA takes 64 rows at a time, and the TMA
+    kernel's loads need no registers, so the deeper 4-warp pipelines add little but compile time."""
+    return [dataclasses.replace(c, tma=True) for c in configs
+            if c.block_m >= 64 and (c.num_warps, c.num_stages) == (8, 3)]
 
 
 def split_k_candidates(M: int, N: int, configs: list[KernelConfig], sms: int) -> list[KernelConfig]:
@@ -413,7 +435,7 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
         else (lambda cfg: all_gather_matmul(a, b, dim=dim, config=cfg))
     launcher, lm, ln, lk = launcher_shape(kernel, M, NK, n, dim)
     timed = []
-    for cfg in tune_candidates(lm, ln, dtype, smoke, launcher, _num_sms(device)):
+    for cfg in tune_candidates(lm, ln, dtype, smoke, launcher, _num_sms(device), tma=_has_tma(device, smoke)):
         try:
             fused(cfg)                                       # compile
             timed.append((bench(lambda cfg=cfg: fused(cfg), device, quick=True)[0], cfg))

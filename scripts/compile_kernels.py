@@ -6,6 +6,7 @@
     python scripts/compile_kernels.py --arch 80 --sms 108 --device-name "NVIDIA A100-SXM4-80GB"
     python scripts/compile_kernels.py --quick --config 128,256,64,8,3   # does this config fit? (bm,bn,bk,warps,stages)
     python scripts/compile_kernels.py --kernel matmul_reduce_scatter --ms 128 --config 128,128,64,8,3,4   # split-K 4
+    python scripts/compile_kernels.py --kernel matmul_reduce_scatter --config 128,256,64,8,3,tma   # the TMA kernel
 
 The interpreter (TRITON_INTERPRET=1) runs the kernels' arithmetic on the CPU, but never compiles
 them: a config that cannot compile, or that needs more shared memory than the GPU gives one block
@@ -67,8 +68,7 @@ class Compiled:
 
 
 def config_text(cfg: KernelConfig) -> str:
-    return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-            + (f" k{cfg.split_k}" if cfg.split_k > 1 else ""))
+    return cfg.text()
 
 
 class _TargetDriver:
@@ -105,6 +105,7 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
         setattr(obj, name, value)
 
     real_pick = mrs.pick_config
+    tma_kernel = mrs.mm_sum_tma._mm_sum_tma_kernel
 
     def pick_as_on_gpu(M, N, K, dtype, device="cuda", **kw):
         return real_pick(M, N, K, dtype, torch.device("cuda"), **kw)
@@ -117,7 +118,7 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
             # (the split-K sum kernel has no K step and no grouping: 16 and 1 stand in)
             cfg = KernelConfig(kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs.get("BLOCK_K", 16),
                                kwargs.get("GROUP_M", 1), kwargs.get("num_warps", 4), kwargs.get("num_stages", 3),
-                               kwargs.get("SPLIT_K", 1))
+                               kwargs.get("SPLIT_K", 1), tma=kernel is tma_kernel)
             record.append((kernel.fn.__name__, cfg, compiled))
             return compiled
         return run_warmup
@@ -132,6 +133,7 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
             patch(mod, "_require_launchable", lambda what, device: None)
         patch(mrs._mm_sum_kernel, "run", compile_only(mrs._mm_sum_kernel))
         patch(mrs._split_k_sum_kernel, "run", compile_only(mrs._split_k_sum_kernel))
+        patch(tma_kernel, "run", compile_only(tma_kernel))
         patch(agm._gather_rows_kernel, "run", compile_only(agm._gather_rows_kernel))
         yield
     finally:
@@ -214,10 +216,10 @@ def cases(args) -> list[tuple[str, int, int, int, int, torch.dtype]]:
     return out
 
 
-def tune_configs(kernel: str, M: int, NK: int, n: int, dim: int, dtype: torch.dtype) -> list[KernelConfig]:
+def tune_configs(kernel: str, M: int, NK: int, n: int, dim: int, dtype: torch.dtype, arch: int) -> list[KernelConfig]:
     from bench.bench_fused_kernels import launcher_shape, tune_candidates   # the repository root is on sys.path
     launcher, lm, ln, _ = launcher_shape(kernel, M, NK, n, dim)
-    return tune_candidates(lm, ln, dtype, smoke=False, launcher=launcher)
+    return tune_candidates(lm, ln, dtype, smoke=False, launcher=launcher, tma=arch >= 90)
 
 
 def compile_all(args) -> list[Compiled]:
@@ -226,7 +228,7 @@ def compile_all(args) -> list[Compiled]:
     for kernel, M, NK, n, dim, dtype in cases(args):
         a, b = operands(kernel, M, NK, n, dim, dtype)
         what = f"{kernel} dim={dim} M={M} NK={NK} n={n} {str(dtype).replace('torch.', '')}"
-        configs = [args.config] + (tune_configs(kernel, M, NK, n, dim, dtype) if args.tune_candidates else [])
+        configs = [args.config] + (tune_configs(kernel, M, NK, n, dim, dtype, args.arch) if args.tune_candidates else [])
         for cfg in configs:
             record: list = []
             t0 = time.perf_counter()
@@ -272,19 +274,23 @@ def parse(argv=None):
     p.add_argument("--tf32", action="store_true", help="fp32 as with torch.backends.cuda.matmul.allow_tf32 "
                    "(tl.dot in tf32 on the tensor cores; default: exact fp32 on FMAs, as torch's default)")
     p.add_argument("--config", help="compile this config instead of pick_config's: block_m,block_n,block_k,"
-                   "num_warps,num_stages[,split_k]")
+                   "num_warps,num_stages[,split_k][,tma]")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
     if args.config:
         try:
-            bm, bn, bk, warps, stages, *split = (int(x) for x in args.config.split(","))
+            fields = args.config.split(",")
+            tma = fields[-1].strip() == "tma"
+            bm, bn, bk, warps, stages, *split = (int(x) for x in fields[:len(fields) - tma])
             if len(split) > 1:
                 raise ValueError("too many fields")
             args.config = KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages,
-                                       split_k=split[0] if split else 1)
+                                       split_k=split[0] if split else 1, tma=tma)
         except ValueError as e:
-            p.error(f"--config: expected block_m,block_n,block_k,num_warps,num_stages[,split_k] (powers of two "
-                    f">= 16 for the blocks), found {args.config!r} ({e})")
+            p.error(f"--config: expected block_m,block_n,block_k,num_warps,num_stages[,split_k][,tma] (powers of "
+                    f"two >= 16 for the blocks), found {args.config!r} ({e})")
+        if args.config.tma and args.arch < 90:
+            p.error(f"--config: tma needs --arch 90 or newer (TMA came with Hopper), found --arch {args.arch}")
     if args.quick:
         args.ms, args.nks, args.ns = "16,1024", "4096", "2"
     args.ms = [int(x) for x in args.ms.split(",")]

@@ -1,5 +1,6 @@
 """bench/bench_fused_kernels.py's report: the GPU's peak by name, issue 16's per-row targets, and a
 smoke run of the whole script under the Triton interpreter (every variant checked)."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -73,6 +74,17 @@ def test_tune_candidates_fit_and_follow_m():
                 assert any(x.split_k > 1 and (x.block_m, x.block_n, x.num_warps) == (c.block_m, c.block_n, c.num_warps)
                            for x in mm)
         assert any(c.split_k > 1 for c in mm) == (M < 1024)
+    # TMA (mm_sum only, on Hopper): the 8-warp 3-stage tiles of >= 64 rows again, persistent with TMA loads
+    for M, N in ((16, 4096), (128, 4096), (1024, 4096), (8192, 8192)):
+        mm = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="mm_sum")
+        with_tma = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="mm_sum", tma=True)
+        tma = [c for c in with_tma if c.tma]
+        assert with_tma[:len(mm)] == mm and with_tma[len(mm):] == tma
+        assert tma == [dataclasses.replace(c, tma=True) for c in mm
+                       if c.split_k == 1 and c.block_m >= 64 and (c.num_warps, c.num_stages) == (8, 3)]
+        assert bool(tma) == (M >= 64) and len(with_tma) <= 48
+        assert tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows", tma=True) == \
+            tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows")
     assert launcher_shape("matmul_reduce_scatter", 1024, 4096, 4, 0) == ("mm_sum", 1024, 4096, 4096)
     assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 0) == ("gather_rows", 1024, 1024, 4096)
     assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 1) == ("mm_sum", 1024, 1024, 1024)
@@ -109,7 +121,9 @@ def test_smoke_tune_then_table(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     for row in rows:
         t = row["tuned"]
-        assert t["check"] == "ok" and t["candidates"] == 3 and t["launcher"] == "mm_sum" and t["ms"] > 0
+        # 2 plain, 1 split-K and 1 TMA candidate (the interpreter runs TMA descriptors), each checked
+        assert t["check"] == "ok" and t["candidates"] == 4 and t["launcher"] == "mm_sum" and t["ms"] > 0
+        assert "tune_skipped" not in row
         assert (t["M"], t["N"], t["K"], t["n"]) == (row["M"], 64, 64, 2)
     r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--write-tuned", str(table), str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)

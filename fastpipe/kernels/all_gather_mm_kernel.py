@@ -50,6 +50,7 @@ from fastpipe.kernels.mm_reduce_scatter_kernel import (
     tl,
     triton,
 )
+from fastpipe.kernels.tiles import grouped_tile
 
 __all__ = ["all_gather_matmul", "all_gather_matmul_overlapped", "all_gather_matmul_reference"]
 
@@ -118,15 +119,9 @@ if triton is not None:
                 scn = tl.where(j == s, SCN[s], scn)
 
         M = M_SHARD * NPART
-        pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.num_programs(0) // num_pid_m   # the grid's column tiles: of the largest N_j
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
+        # the grid's column tiles: of the largest N_j
+        pid_m, pid_n = grouped_tile(tl.program_id(0), num_pid_m, tl.num_programs(0) // num_pid_m, GROUP_M)
         if pid_n * BLOCK_N >= N:   # past this output's columns (only where the N_j differ)
             return
 
@@ -193,6 +188,10 @@ def launch_gather_rows(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
         raise ValueError(f"{what}: config.split_k: expected 1 (dim 0 writes each tile once; split-K is the "
                          f"mm_sum launcher's: matmul_reduce_scatter, all_gather_matmul dim 1), "
                          f"found {config.split_k}")
+    if config is not None and config.tma:
+        raise ValueError(f"{what}: config.tma: expected false (dim 0's kernel picks each row's shard; the TMA "
+                         f"kernel is the mm_sum launcher's: matmul_reduce_scatter, all_gather_matmul dim 1), "
+                         f"found true")
     ms, K = a[0].shape
     M = outs[0].shape[0]
     ns = [int(o.shape[1]) for o in outs]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_SPLIT_K = 16
+TMA_MAX_BOX = 256
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,11 @@ class KernelConfig:
     participants) into a float32 workspace, then one more launch adds the shares in a fixed order
     and writes the tile. More programs where the output has fewer tiles than the GPU has SMs (a
     decode's M), at the cost of split_k x M x N x 4 bytes written and read back. 1: no split.
+    tma: the mm_sum launcher only: the persistent kernel that loads tiles with Hopper's tensor memory
+    accelerator (``fastpipe.kernels.mm_sum_tma``): one program per SM, each taking output tiles in
+    turn, the operand tiles copied into shared memory by TMA descriptors instead of per-thread
+    pointer loads. Needs compute capability 9.0 or newer, and operands TMA can address (a row-major
+    a[i]; b[i] row- or column-major; 16-byte aligned pointers and strides). Not with split_k.
     """
 
     block_m: int
@@ -29,6 +35,7 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    tma: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -40,3 +47,16 @@ class KernelConfig:
         if isinstance(self.split_k, bool) or not isinstance(self.split_k, int) or not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(f"KernelConfig.split_k: expected an integer from 1 to {MAX_SPLIT_K}, "
                              f"found {self.split_k!r}")
+        if not isinstance(self.tma, bool):
+            raise ValueError(f"KernelConfig.tma: expected true or false, found {self.tma!r}")
+        if self.tma and self.split_k != 1:
+            raise ValueError(f"KernelConfig.tma: expected split_k 1 with tma (the persistent TMA kernel writes "
+                             f"each tile once), found split_k {self.split_k}")
+        if self.tma and max(self.block_m, self.block_n, self.block_k) > TMA_MAX_BOX:
+            raise ValueError(f"KernelConfig.tma: expected blocks of at most {TMA_MAX_BOX} (a TMA copy's box is at "
+                             f"most {TMA_MAX_BOX} elements a side), found {self.block_m}x{self.block_n}x{self.block_k}")
+
+    def text(self) -> str:
+        """Short form for messages and tables: ``128x256x64 w8 s3`` (+ `` k4`` split-K, `` tma``)."""
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+                + (f" k{self.split_k}" if self.split_k > 1 else "") + (" tma" if self.tma else ""))

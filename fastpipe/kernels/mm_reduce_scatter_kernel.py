@@ -41,13 +41,16 @@ fusion rule's measured points then say they timed an older kernel.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from fastpipe.errors import RunError
+from fastpipe.kernels import mm_sum_tma
 from fastpipe.kernels.fusion_rule import gpu_name
 from fastpipe.kernels.launch_config import KernelConfig
 from fastpipe.kernels.tuned import lookup
@@ -62,6 +65,7 @@ else:
     from fastpipe.kernels import _triton_compat
 
     _triton_compat.apply()  # Triton <= 3.6's interpreter with numpy >= 2.4 (see _triton_compat)
+    from fastpipe.kernels.tiles import grouped_tile, store_tile
 
 __all__ = [
     "KernelConfig",
@@ -122,22 +126,6 @@ def matmul_reduce_scatter_reference(a: Sequence[Tensor], b: Sequence[Tensor], di
 if triton is not None:
 
     @triton.jit
-    def _store_tile(C, vals, offs_cm, offs_cn, M, N, stride_cm, stride_cn, chunk_n, stride_cj,
-                    SPLIT_COLS: tl.constexpr):
-        """C[offs_cm, offs_cn] <- vals (masked to M x N): element (r, c) at ``r*stride_cm + c*stride_cn``
-        (a plain [M, N] output, or the row chunks of one [n, M/n, N] buffer, which is the same thing),
-        or, with SPLIT_COLS, chunk ``j = c // chunk_n`` at ``j*stride_cj + r*stride_cm +
-        (c - j*chunk_n)*stride_cn`` (the column chunks of one [n, M, N/n] buffer)."""
-        mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
-        rows = offs_cm.to(tl.int64)[:, None] * stride_cm
-        if SPLIT_COLS:
-            j = offs_cn // chunk_n
-            cols = j.to(tl.int64) * stride_cj + (offs_cn - j * chunk_n).to(tl.int64) * stride_cn
-        else:
-            cols = offs_cn.to(tl.int64) * stride_cn
-        tl.store(C + (rows + cols[None, :]), vals, mask=mask)
-
-    @triton.jit
     def _mm_sum_kernel(
         A, B,                    # tuples of NPART pointers: A[i] -> [M, K_i], B[i] -> [K_i, N]
         K,                       # tuple of NPART ints: K_i
@@ -157,19 +145,11 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
         """C[tile] = scale * sum_i A[i][rows, :] @ B[i][:, cols]; one tile per program, written once
-        (``_store_tile``). With SPLIT_K > 1, program (tile, s) sums the s-th of SPLIT_K equal runs of
+        (``store_tile``). With SPLIT_K > 1, program (tile, s) sums the s-th of SPLIT_K equal runs of
         the tile's K-steps (all participants' steps in order, BLOCK_K each) into W[s];
         ``_split_k_sum_kernel`` then adds the SPLIT_K shares and writes the tile."""
         # grouped ordering: GROUP_M row tiles share their B column tiles in L2
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(M, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        num_pid_in_group = GROUP_M * num_pid_n
-        group_id = pid // num_pid_in_group
-        first_pid_m = group_id * GROUP_M
-        group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
+        pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
         # rows/cols wrap (% M, % N) so loads need no M/N mask; the store masks them
         offs_am = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M).to(tl.int64)
@@ -210,12 +190,12 @@ if triton is not None:
         offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if SPLIT_K > 1:   # W[s] is a row-major [M, N] float32 plane
-            _store_tile(W + tl.program_id(1).to(tl.int64) * M * N, acc, offs_cm, offs_cn, M, N, N, 1, 1, 0, False)
+            store_tile(W + tl.program_id(1).to(tl.int64) * M * N, acc, offs_cm, offs_cn, M, N, N, 1, 1, 0, False)
         else:
             if APPLY_SCALE:
                 acc = acc * scale
-            _store_tile(C, acc.to(C.dtype.element_ty), offs_cm, offs_cn, M, N, stride_cm, stride_cn,
-                        chunk_n, stride_cj, SPLIT_COLS)
+            store_tile(C, acc.to(C.dtype.element_ty), offs_cm, offs_cn, M, N, stride_cm, stride_cn,
+                       chunk_n, stride_cj, SPLIT_COLS)
 
     @triton.jit
     def _split_k_sum_kernel(
@@ -234,8 +214,8 @@ if triton is not None:
             acc += tl.load(W + ((rows + s * M)[:, None] * N + offs_cn[None, :]), mask=mask, other=0.0)
         if APPLY_SCALE:
             acc = acc * scale
-        _store_tile(C, acc.to(C.dtype.element_ty), offs_cm, offs_cn, M, N, stride_cm, stride_cn,
-                    chunk_n, stride_cj, SPLIT_COLS)
+        store_tile(C, acc.to(C.dtype.element_ty), offs_cm, offs_cn, M, N, stride_cm, stride_cn,
+                   chunk_n, stride_cj, SPLIT_COLS)
 
 else:  # pragma: no cover
     _mm_sum_kernel = _split_k_sum_kernel = None
@@ -375,12 +355,21 @@ def launch_mm_sum(a: Sequence[Tensor], b: Sequence[Tensor], out: Tensor, *, spli
     kmax = max(int(x.shape[1]) for x in a)
     cfg = config or pick_config(M, N, kmax, a[0].dtype, out.device, launcher="mm_sum", n=len(a))
     scm, scn = out_strides if out_strides is not None else out.stride()
+    out_args = (M, N, scm, scn, max(split_cols, 1), chunk_stride, 1.0 if scale is None else float(scale))
+    if cfg.tma:
+        cfg = _tma_or_pointer_loads(a, b, out.device, cfg, explicit=config is not None, what=what)
+    if cfg.tma:
+        with device_guard(out.device):
+            if mm_sum_tma.launch_tma(a, b, out, cfg, out_args, split_cols=split_cols > 0, scale=scale is not None,
+                                     input_precision=_input_precision(a[0].dtype), dot_f32=dot_f32(a[0].dtype),
+                                     sms=_num_sms(out.device)):
+                return out
+        cfg = dataclasses.replace(cfg, tma=False)   # no participant has K > 0: the zeros, by the plain kernel
     sk = cfg.split_k
     # split-K: the shares' float32 [split_k, M, N] workspace (from the caching allocator; inside a
     # captured graph, from the graph's pool)
     ws = torch.empty(sk * M * N, dtype=torch.float32, device=out.device) if sk > 1 else out
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), sk)
-    out_args = (M, N, scm, scn, max(split_cols, 1), chunk_stride, 1.0 if scale is None else float(scale))
     with device_guard(out.device):  # Triton launches on the current device, not the tensors'
         _mm_sum_kernel[grid](
             tuple(a), tuple(b), tuple(int(x.shape[1]) for x in a),
@@ -398,6 +387,25 @@ def launch_mm_sum(a: Sequence[Tensor], b: Sequence[Tensor], out: Tensor, *, spli
                 ws, out, *out_args, SPLIT_K=sk, SPLIT_COLS=split_cols > 0, APPLY_SCALE=scale is not None,
                 BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
     return out
+
+
+_warned_tma: set[str] = set()
+
+
+def _tma_or_pointer_loads(a, b, device: torch.device, cfg: KernelConfig, *, explicit: bool, what: str) -> KernelConfig:
+    """cfg where its TMA kernel can load these operands. Otherwise: a config passed by the caller is
+    refused (ValueError); a tuned one runs its tiles with pointer loads, and says so once per reason."""
+    why = mm_sum_tma.tma_problem(a, b, device)
+    if why is None:
+        return cfg
+    if explicit:
+        raise ValueError(f"{what}: config.tma: the TMA kernel cannot load these operands: {why}")
+    message = (f"{what}: the tuned launch config {cfg.text()} uses TMA, but {why}: its tiles run with "
+               f"pointer loads instead (the plain kernel)")
+    if message not in _warned_tma:
+        _warned_tma.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return dataclasses.replace(cfg, tma=False)
 
 
 def device_guard(device: torch.device):
