@@ -91,7 +91,7 @@ from fastpipe.kernels import KernelConfig, all_gather_matmul, fused_is_faster, m
 from fastpipe.kernels.fusion_rule import (  # noqa: E402
     KERNEL_REVISIONS, dump_table, fused_wins, gpu_name, newest_rows, row_revision, rows_of, stale_revisions,
     table_from_rows)
-from fastpipe.kernels import mm_sum_tma  # noqa: E402
+from fastpipe.kernels import mm_sum_tma, pick_config, tuned  # noqa: E402
 from fastpipe.kernels.mm_reduce_scatter_kernel import _num_sms  # noqa: E402
 from tests.tensor_compare import error_ratio  # noqa: E402
 
@@ -326,6 +326,7 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | No
     a, b, fns, split, k_total, N = made
     row = {**case_key(kernel, M, NK, n, dim, dtype), "N": N, "K_total": k_total,
            "kernel_revision": KERNEL_REVISIONS[kernel]}
+    row["fused_config"], row["fused_config_from"] = fused_config(kernel, M, NK, n, dim, dtype, device)
     row["first_call_ms"] = first_call_ms(fns["fused"], device)
     with timed_forms(fns, device, eager) as (forms, row["timing"]):
         if check:
@@ -350,6 +351,16 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | No
     row["rule_says_fused"] = fused_is_faster(M, N, k_total, n, dtype, kernel=kernel, dim=dim, gpu=gpu_name(device))
     row["targets"] = targets(row)
     return row
+
+
+def fused_config(kernel, M, NK, n, dim, dtype, device) -> tuple[str, str]:
+    """The launch config the fused kernel runs in this case (pick_config's answer to the launcher) and where
+    it comes from: "tuned" (the table of configs measured on this GPU, fastpipe.kernels.tuned) or "heuristic".
+    A row's time is that config's: after a tuned table ships, the fused rows time its configs."""
+    launcher, lm, ln, lk = launcher_shape(kernel, M, NK, n, dim)
+    cfg = pick_config(lm, ln, lk, dtype, device, launcher=launcher, n=n)
+    measured = tuned.lookup(launcher, lm, ln, lk, n, dtype, gpu_name(device) or "") if device.type == "cuda" else None
+    return cfg.text(), "tuned" if measured is not None and measured == cfg else "heuristic"
 
 
 # ---------------------------------------------------------------------------------------- tuning
@@ -679,7 +690,8 @@ def main(argv=None) -> int:
                     print(f"  tuned {kernel} M={M} N=K={nk} n={n}: {t['ms']:.3f} ms with {t['config']} "
                           f"vs the heuristic's {t['heuristic_ms']:.3f} ms ({t['candidates']} configs"
                           + (f", check {t['check']}" if "check" in t else "") + ")", flush=True)
-            print(f"  {kernel} M={M} N=K={nk} n={n}: fused {row['fused_ms']:.3f} ms, unfused "
+            print(f"  {kernel} M={M} N=K={nk} n={n}: fused {row['fused_ms']:.3f} ms ({row['fused_config']}, "
+                  f"{row['fused_config_from']}), unfused "
                   f"{row['unfused_ms']:.3f} ms, torch.mm {row['torch.mm_ms']:.3f} ms ({row['timing']})"
                   + (f", check {row['check']}" if args.check else ""), flush=True)
         except Exception as e:  # noqa: BLE001 - one case failing (out of memory, say) fails its row, not the run

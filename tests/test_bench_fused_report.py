@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastpipe.kernels import KernelConfig, pick_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -124,10 +126,36 @@ def test_smoke_tune_then_table(tmp_path):
         # 2 plain, 1 split-K and 1 TMA candidate (the interpreter runs TMA descriptors), each checked
         assert t["check"] == "ok" and t["candidates"] == 4 and t["launcher"] == "mm_sum" and t["ms"] > 0
         assert "tune_skipped" not in row
+        # the row says which config the fused kernel ran, and that the heuristic (not a tuned table) picked it
+        assert row["fused_config"] == pick_config(row["M"], 64, 64, torch.bfloat16, "cpu").text()
+        assert row["fused_config_from"] == "heuristic"
         assert (t["M"], t["N"], t["K"], t["n"]) == (row["M"], 64, 64, 2)
     r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--write-tuned", str(table), str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and json.loads(table.read_text())["format"] == 1, r.stderr
+
+
+def test_rows_say_when_a_tuned_config_timed_the_fused_kernel(tmp_path, monkeypatch):
+    import bench.bench_fused_kernels as bfk
+
+    best = KernelConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3, tma=True)
+    entry = {"launcher": "mm_sum", "device": "GPU X", "dtype": "bfloat16", "M": 1024, "N": 4096, "K": 4096, "n": 2,
+             "config": dataclasses.asdict(best)}
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"format": 1, "entries": [entry]}))
+    monkeypatch.setenv("FASTPIPE_TUNED_CONFIGS", str(path))
+    monkeypatch.setattr(bfk, "gpu_name", lambda device: "GPU X")
+    picked = []
+    monkeypatch.setattr(bfk, "pick_config", lambda *a, **k: picked.append((a, k)) or best)
+    cuda = torch.device("cuda")
+    assert bfk.fused_config("matmul_reduce_scatter", 1024, 4096, 2, 0, torch.bfloat16, cuda) == \
+        ("128x256x64 w8 s3 tma", "tuned")
+    assert picked[-1] == ((1024, 4096, 4096, torch.bfloat16, cuda), {"launcher": "mm_sum", "n": 2})
+    monkeypatch.setattr(bfk, "pick_config", lambda *a, **k: KernelConfig(128, 128, 64))
+    assert bfk.fused_config("matmul_reduce_scatter", 1024, 4096, 2, 0, torch.bfloat16, cuda)[1] == "heuristic"
+    # all_gather_matmul dim 0: the gather_rows launcher, which has no entry here
+    monkeypatch.setattr(bfk, "pick_config", lambda *a, **k: best)
+    assert bfk.fused_config("all_gather_matmul", 1024, 4096, 2, 0, torch.bfloat16, cuda)[1] == "heuristic"
 
 
 def test_tolerances_allow_cublas_reduced_precision_split_k():
