@@ -57,13 +57,14 @@ class Session:
         self.pipeline = pipeline
         self.slot_devices = resolve_device_map(pipeline, device_map)
         self.processor = choose_processor(opts.processor, self.slot_devices)
-        fuse, local = opts.fuse, None
+        fuse, local, off_reason = opts.fuse, None, "fusion is off"
         self.rank_plan = None                     # dist: which rank runs which slot (dist_setup.RankPlan)
         if self.processor == "dist":
             from fastpipe.runtime.dist_setup import make_plan
 
+            fusion.check_fuse_for_dist(opts.fuse)
             self.rank_plan = make_plan(pipeline, self.slot_devices, opts.slot_ranks)
-            self.slot_devices, fuse = self.rank_plan.slot_devices, "off"   # fused kernels need one device
+            self.slot_devices, fuse, off_reason = self.rank_plan.slot_devices, "off", fusion.DIST_OFF
             local = self.rank_plan.local_slots
         elif opts.slot_ranks is not None:
             raise InputError(f"slot_ranks: expected processor=\"dist\", found processor=\"{self.processor}\"")
@@ -76,7 +77,7 @@ class Session:
         self._binder = Binder(pipeline, self.options, self.store, self.slot_devices,
                               compile=opts.compile and not region, compile_policy=opts.compile_policy)
         program = bind(lower(self.checked), self.checked, self._binder, local)
-        self.fusion = fusion.analyze(self.checked, self.slot_devices, fuse, region=region)
+        self.fusion = fusion.analyze(self.checked, self.slot_devices, fuse, region=region, off_reason=off_reason)
         program = fusion.apply(program, self.fusion, self.checked, self._binder)
         if region:
             program = with_regions(program, {s: str(d) for s, d in self.slot_devices.items()})

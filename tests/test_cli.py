@@ -82,6 +82,46 @@ def test_run_random_inputs_prints_latency(capsys):
     assert code == 0 and "3 runs: median" in out and " ms" in out
 
 
+def test_run_prints_each_fusion_decision_and_takes_the_policy(capsys):
+    """`run` says what the fusion policy did with every candidate group; --fuse picks the policy."""
+    p = GRAPHS / "seq_parallel" / "pipeline.json"
+    code, out, _ = cli(capsys, "run", p, "--repeat", "1", "--no-compile")
+    assert code == 0
+    fusion = [line for line in out.splitlines() if line.startswith("fusion: ")]
+    assert len(fusion) == 2 and all("not fused: the region processor compiles" in line for line in fusion), out
+    code, out, _ = cli(capsys, "run", p, "--repeat", "1", "--no-compile", "--fuse", "off", "--processor", "cpu")
+    assert code == 0
+    assert ('fusion: group "rs0" (matmul->reduce_scatter, supertasks 5, 6): not fused: fusion is off') in out
+    code, _, err = cli(capsys, "run", p, "--fuse", "yes")
+    assert code == 2 and "argument --fuse: invalid choice: 'yes'" in err and err.count("\n") == 1
+
+
+def test_run_fuse_always_runs_the_kernels_or_is_refused(capsys, monkeypatch):
+    """--fuse always: the fused kernels run (on CPU tensors: the interpreter) and match the expected
+    outputs; where they cannot run, loading refuses, one line naming the group, exit 2."""
+    from fastpipe.kernels import mm_reduce_scatter_kernel as k
+    from fastpipe.runtime import fuse
+
+    g = GRAPHS / "seq_parallel"
+    args = ("run", g / "pipeline.json", "--inputs", g / "inputs.safetensors", "--check", g / "expected.safetensors",
+            "--repeat", "1", "--warmup", "0", "--no-compile", "--processor", "cpu", "--fuse", "always")
+    monkeypatch.setattr(fuse, "_cannot_launch", k.launch_problem)   # the real check (conftest eases it on GPUs)
+    if k.launch_problem("cpu") is None:                              # the interpreter (a machine without CUDA)
+        code, out, err = cli(capsys, *args)
+        assert code == 0, err
+        assert 'fusion: group "rs0" (matmul->reduce_scatter, supertasks 5, 6): fused' in out
+        assert 'fusion: group "ag0" (all_gather->matmul, supertasks 1, 2): fused' in out
+    monkeypatch.setattr(k, "interpreting", lambda: False)
+    code, out, err = cli(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith('fastpipe: error: fuse: "always" cannot fuse group ') and err.count("\n") == 1, err
+
+
+def test_show_plan_takes_the_fusion_policy(capsys):
+    code, out, _ = cli(capsys, "show", "--plan", "--fuse", "off", GRAPHS / "seq_parallel" / "pipeline.json")
+    assert code == 0 and 'fusion: group "ag0" (all_gather->matmul, supertasks 1, 2): not fused: fusion is off' in out
+
+
 def test_check_mismatch_exit_1(capsys, tmp_path):
     exp = load_file(str(GRAPHS / "tp_mlp" / "expected.safetensors"))
     exp["y"][0, 0] += 1.0

@@ -290,6 +290,18 @@ def test_bad_slot_ranks_refused_before_launch(value, message):
     assert proc.stderr.splitlines() == [f"fastpipe: error: {message}"]
 
 
+def test_forced_fusion_refused_before_launch():
+    """The dist processor runs no fused kernels: --fuse always is refused in the parent, before any worker."""
+    proc = subprocess.run([sys.executable, "-m", "fastpipe", "run", str(GRAPHS / "seq_parallel" / "pipeline.json"),
+                           "--nproc", "2", "--fuse", "always"], capture_output=True, text=True, timeout=60, env=_env(),
+                          cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ['fastpipe: error: fuse: "always" cannot fuse under the dist processor: the dist '
+                                        "processor runs no fused kernels (a group's members may sit on different "
+                                        "ranks, and a fused kernel needs every member in one process, on one device) "
+                                        '(fuse="auto" or "off")']
+
+
 def test_nproc_launches_micro_batches(tmp_path):
     """`fastpipe run --nproc 2` relaunches itself through torch's elastic launcher."""
     g = GRAPHS / "two_stage_skip"

@@ -20,7 +20,8 @@ def run_options(args, **overrides):
     from fastpipe.options import RunOptions
 
     fields = dict(processor=args.processor, compile=not args.no_compile, compile_policy=args.compile_errors,
-                  cuda_graph=not args.no_cuda_graph, merge_shards=not getattr(args, "no_merge_shards", False))
+                  cuda_graph=not args.no_cuda_graph, merge_shards=not getattr(args, "no_merge_shards", False),
+                  fuse=getattr(args, "fuse", "auto"))
     fields.update(overrides)
     return RunOptions(**fields)
 

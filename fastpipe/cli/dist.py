@@ -138,6 +138,7 @@ def _precheck(args, world: int) -> None:
     """What the parent of --nproc can refuse before starting any worker (exit 2, one line)."""
     from fastpipe.format import read_pipeline
     from fastpipe.runtime.device_map import resolve_device_map
+    from fastpipe.runtime.fuse import check_fuse_for_dist
     from fastpipe.validate import validate_structure
 
     device_map = device_map_of(args)
@@ -152,6 +153,7 @@ def _precheck(args, world: int) -> None:
     resolve_device_map(p, device_map)
     check_slot_ranks(parse_slot_ranks_option(args.slot_ranks) if args.slot_ranks else None, p.devices, world, "--slot-ranks")
     load_options(args)
+    check_fuse_for_dist(args.fuse)
     if args.inputs:
         read_local_inputs(args.inputs, p, ())      # names only: no tensor data is read here
 

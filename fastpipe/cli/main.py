@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
                    help="also load the pipeline and print the Program its processor runs (processor auto, no compile): "
                         "a step x slot table, peak bytes per slot, fusion decisions, and the checker's verdict")
     s.add_argument("--device-map", metavar="MAP", help="with --plan: slot placement, e.g. 0=cpu,1=cuda:0")
+    s.add_argument("--fuse", choices=("auto", "off", "always"), default="auto",
+                   help="with --plan: the fusion policy whose decisions it prints (default auto)")
     r = sub.add_parser("run", help="run a pipeline and print a latency summary")
     common(r)
     r.add_argument("--inputs", metavar="FILE", help="safetensors file keyed by pipeline input names (default: seeded random)")
@@ -63,6 +65,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--compile-errors", choices=("warn", "raise"), default="warn",
                    help="a graph that cannot be compiled: warn and run it eagerly (default), or fail")
     r.add_argument("--no-cuda-graph", action="store_true", help="cuda and region processors: no CUDA-graph capture")
+    r.add_argument("--fuse", choices=("auto", "off", "always"), default="auto",
+                   help="matmul->reduce_scatter and all_gather->matmul as fused Triton kernels: auto (default: on one "
+                        "GPU, where measured faster), off, or always (every match on one device; refused where the "
+                        "kernels cannot run); each decision is printed with its reason")
     r.add_argument("--no-merge-shards", action="store_true",
                    help="region processor: keep tensor-parallel shards of a matmul as separate GEMMs")
     r.add_argument("--chunks", type=int, default=1, help="micro-batches along dim 0 (inputs carry chunks x the batch)")

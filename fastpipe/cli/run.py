@@ -52,6 +52,8 @@ def cmd_run(args) -> int:
     ms = sorted(x * 1e3 for x in times)
     print(f"{p.name}: {sess.describe()}; loaded in {load_s * 1e3:.1f} ms{compile_msg}; {args.repeat} runs: "
           f"median {statistics.median(ms):.3f} ms, min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")
+    for d in sess.fusion:              # what the fusion policy (--fuse) did with each candidate group, and why
+        print("fusion: " + d.line())
     if sess.processor == "cuda":       # measured peak GPU memory next to the plan's prediction
         from fastpipe.runtime.stream_issue import format_memory_report
 

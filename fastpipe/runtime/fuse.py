@@ -113,8 +113,22 @@ def _meta_shape(p, name: str) -> tuple[int, ...]:
     return tuple(p.tensors[name].shape)
 
 
-def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list[Decision]:
-    """A decision for every reduce_scatter / all_gather group.
+DIST_OFF = ("the dist processor runs no fused kernels (a group's members may sit on different ranks, and a fused "
+            "kernel needs every member in one process, on one device)")
+
+
+def check_fuse_for_dist(policy: str) -> None:
+    """The dist processor fuses nothing (DIST_OFF): fuse="always" asks for what it cannot do, and is refused
+    (InputError) before any rank loads."""
+    from fastpipe.errors import InputError
+
+    if policy == "always":
+        raise InputError(f'fuse: "always" cannot fuse under the dist processor: {DIST_OFF} (fuse="auto" or "off")')
+
+
+def analyze(checked, slot_devices, policy: str, *, region: bool = False,
+            off_reason: str = "fusion is off") -> list[Decision]:
+    """A decision for every reduce_scatter / all_gather group (``off_reason``: why, under policy "off").
 
     The graphs come from checked.graphs (decoded at their first use where payloads were not
     checked at load: LoadOptions check_payloads=False).
@@ -144,7 +158,7 @@ def analyze(checked, slot_devices, policy: str, *, region: bool = False) -> list
         devices = {slot_devices[m.device] for m in members}
         device = next(iter(devices))
         if policy == "off":
-            d.reason = "fusion is off"
+            d.reason = off_reason
         elif len(devices) != 1:
             d.reason = ("members on " + ", ".join(sorted(str(x) for x in devices)) +
                         ": the fused kernels run on one device")
