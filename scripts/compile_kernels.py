@@ -18,8 +18,9 @@ w_i.t()), with Triton's driver replaced by one that names the target and launche
 pick_config answering as on that GPU (its SM count and name: the tuned table applies too). Each
 compiled kernel is reported with its shared memory, registers and spills (ptxas -v), the MMA
 instruction it uses (wgmma on Hopper; mma.sync is the pre-Hopper one) and how its loads are
-pipelined (cp.async, or TMA). It exits 1 when a config fails to compile, needs more shared
-memory than the target has, or spills registers.
+pipelined (cp.async, or TMA), and Triton's launcher for it is generated as the first launch on
+the GPU would (not built). It exits 1 when a config fails to compile, needs more shared memory than
+the target has, spills registers, or has an argument list the launcher cannot take.
 
 Nothing runs on a GPU: speed is for bench/bench_fused_kernels.py on the device.
 """
@@ -64,6 +65,7 @@ class Compiled:
     loads: str = ""    # tma / cp.async / ld.global
     compile_s: float = 0.0
     error: str = ""
+    launcher: str = "" # why Triton's launcher for it cannot be generated ('' where it can)
     problems: tuple = ()
 
 
@@ -177,13 +179,37 @@ def ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
     return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else -1
 
 
+def launcher_problem(compiled) -> str:
+    """Generate Triton's CUDA launcher for this kernel as the GPU's first launch would (its argument
+    list: pointers, tuples, TMA descriptors expanded to CUtensorMap), without building or calling it.
+    '' where that works, else the error: a kernel can compile and still fail there (Triton 3.6 expands
+    a tensor descriptor only as a top-level argument, not inside a tuple)."""
+    from triton.backends.nvidia import driver as nvd
+
+    src = compiled.src
+    arg_idx = lambda x: (src.fn.arg_names.index(x),) if isinstance(x, str) else x  # noqa: E731
+    constants = {arg_idx(k): v for k, v in getattr(src, "constants", {}).items()}
+    signature = dict(src.signature)
+    meta = getattr(compiled.metadata, "tensordesc_meta", None)
+    try:
+        if hasattr(nvd, "make_launcher"):                      # Triton <= 3.6: C source per kernel
+            nvd.make_launcher(constants, signature, meta)
+        else:                                                  # newer: one generic launcher, the signature expanded
+            from triton.backends.driver import expand_signature
+            expand_signature(signature.values(), meta, "nvTmaDesc")
+        nvd.wrap_handle_tensordesc(lambda *args: None, signature, meta)
+    except Exception as e:  # noqa: BLE001 - reported as the kernel's problem
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return ""
+
+
 def describe(name: str, cfg: KernelConfig, compiled, arch: int, what: str, seconds: float) -> Compiled:
     ptx = compiled.asm["ptx"]
     regs, spill = ptxas_report(ptx, arch)
     mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
     loads = "tma" if "cp.async.bulk.tensor" in ptx else "cp.async" if "cp.async" in ptx else "ld.global"
     return Compiled(what, name, config_text(cfg), int(compiled.metadata.shared), regs, spill, mma, loads,
-                    round(seconds, 2))
+                    round(seconds, 2), launcher=launcher_problem(compiled))
 
 
 def check(row: Compiled, arch: int) -> Compiled:
@@ -196,6 +222,8 @@ def check(row: Compiled, arch: int) -> Compiled:
             problems.append(f"needs {row.shared_bytes} B of shared memory, sm_{arch} gives a block {limit}")
         if row.spill_bytes > 0:
             problems.append(f"spills {row.spill_bytes} B of registers")
+        if row.launcher:
+            problems.append(f"compiles, but Triton cannot make its launcher: {row.launcher}")
     row.problems = tuple(problems)
     return row
 

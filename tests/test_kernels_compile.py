@@ -79,6 +79,8 @@ def test_spills_and_errors_are_problems():
     assert spill.problems == ("spills 8 B of registers",)
     broken = ck.check(ck.Compiled("c", "k", "cfg", error="CompilationError: x"), 90)
     assert broken.problems == ("does not compile: CompilationError: x",)
+    no_launcher = ck.check(ck.Compiled("c", "k", "cfg", shared_bytes=1024, registers=100, launcher="AssertionError: "), 90)
+    assert no_launcher.problems == ("compiles, but Triton cannot make its launcher: AssertionError: ",)
     ampere = ck.check(ck.Compiled("c", "k", "cfg", shared_bytes=200 * 1024, registers=100), 80)
     assert ampere.problems and "sm_80" in ampere.problems[0]
 
@@ -123,6 +125,7 @@ def test_the_tma_kernel_compiles_for_hopper_with_tma_loads(tmp_path):
     for r in rows:
         assert not r["problems"] and r["spill_bytes"] == 0 and r["config"] == "128x256x64 w8 s3 tma", r
         assert r["mma"] == "wgmma" and r["loads"] == "tma", r
+        assert r["launcher"] == "", r       # the descriptors are top-level arguments (Triton 3.6's launcher)
 
 
 def test_tma_needs_a_hopper_target(tmp_path):

@@ -48,6 +48,7 @@ from fastpipe.kernels.launch_config import KernelConfig
 __all__ = ["device_problem", "launch_tma", "tma_problem"]
 
 TMA_MIN_CAPABILITY = (9, 0)
+MAX_DESCRIPTORS = 8      # participants (mm_reduce_scatter_kernel.MAX_PARTICIPANTS): the kernel's A0..A7, B0..B7
 _ALIGN = 16   # bytes: a TMA descriptor's base address and every stride but the last
 
 
@@ -56,8 +57,10 @@ if TensorDescriptor is not None:
 
     @triton.jit
     def _mm_sum_tma_kernel(
-        A, B,                    # tuples of NPART tensor descriptors: A[i] over a[i] [M, K_i] (box BLOCK_M x BLOCK_K);
-                                 # B[i] over b[i] [K_i, N] (box BLOCK_K x BLOCK_N) or, B_KMAJOR, over b[i].T [N, K_i]
+        # the tensor descriptors, one argument each (Triton 3.6's launcher encodes a descriptor only as a
+        # top-level argument, not inside a tuple); those past NPART are None:
+        A0, A1, A2, A3, A4, A5, A6, A7,  # A_i over a[i] [M, K_i] (box BLOCK_M x BLOCK_K)
+        B0, B1, B2, B3, B4, B5, B6, B7,  # B_i over b[i] [K_i, N] (box BLOCK_K x BLOCK_N) or, B_KMAJOR, over b[i].T [N, K_i]
         K,                       # tuple of NPART ints: K_i (each > 0)
         C,                       # output buffer, dtype of the result
         M, N,
@@ -76,6 +79,8 @@ if TensorDescriptor is not None:
         """For each tile this program takes: C[tile] = scale * sum_i A[i][rows, :] @ B[i][:, cols], written
         once (``store_tile``). Boxes past an operand's edge read zeros (TMA's padding), so the K tail and
         the last row and column tiles need no masks."""
+        A = (A0, A1, A2, A3, A4, A5, A6, A7)
+        B = (B0, B1, B2, B3, B4, B5, B6, B7)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in range(tl.program_id(0), num_pid_m * num_pid_n, num_programs):
@@ -186,8 +191,9 @@ def launch_tma(a: Sequence[Tensor], b: Sequence[Tensor], out: Tensor, cfg: Kerne
     ad, bd = _descriptors(a, b, cfg, layout)
     M, N = out_args[0], out_args[1]
     programs = min(triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), sms)
+    unused = (None,) * (MAX_DESCRIPTORS - len(a))
     _mm_sum_tma_kernel[(programs,)](
-        ad, bd, tuple(int(x.shape[1]) for x in a), out, *out_args, programs,
+        *ad, *unused, *bd, *unused, tuple(int(x.shape[1]) for x in a), out, *out_args, programs,
         NPART=len(a), B_KMAJOR=layout == "cols", SPLIT_COLS=split_cols, APPLY_SCALE=scale,
         INPUT_PRECISION=input_precision, DOT_F32=dot_f32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
