@@ -256,7 +256,9 @@ def compile_all(args) -> list[Compiled]:
     for kernel, M, NK, n, dim, dtype in cases(args):
         a, b = operands(kernel, M, NK, n, dim, dtype)
         what = f"{kernel} dim={dim} M={M} NK={NK} n={n} {str(dtype).replace('torch.', '')}"
-        configs = [args.config] + (tune_configs(kernel, M, NK, n, dim, dtype, args.arch) if args.tune_candidates else [])
+        configs = [args.config]
+        if args.tune_candidates:
+            configs += tune_configs(kernel, M, NK, n, dim, dtype, args.arch)
         for cfg in configs:
             record: list = []
             t0 = time.perf_counter()

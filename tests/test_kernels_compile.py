@@ -79,7 +79,8 @@ def test_spills_and_errors_are_problems():
     assert spill.problems == ("spills 8 B of registers",)
     broken = ck.check(ck.Compiled("c", "k", "cfg", error="CompilationError: x"), 90)
     assert broken.problems == ("does not compile: CompilationError: x",)
-    no_launcher = ck.check(ck.Compiled("c", "k", "cfg", shared_bytes=1024, registers=100, launcher="AssertionError: "), 90)
+    no_launcher = ck.check(ck.Compiled("c", "k", "cfg", shared_bytes=1024, registers=100, launcher="AssertionError: "),
+                           90)
     assert no_launcher.problems == ("compiles, but Triton cannot make its launcher: AssertionError: ",)
     ampere = ck.check(ck.Compiled("c", "k", "cfg", shared_bytes=200 * 1024, registers=100), 80)
     assert ampere.problems and "sm_80" in ampere.problems[0]

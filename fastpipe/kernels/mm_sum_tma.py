@@ -60,7 +60,8 @@ if TensorDescriptor is not None:
         # the tensor descriptors, one argument each (Triton 3.6's launcher encodes a descriptor only as a
         # top-level argument, not inside a tuple); those past NPART are None:
         A0, A1, A2, A3, A4, A5, A6, A7,  # A_i over a[i] [M, K_i] (box BLOCK_M x BLOCK_K)
-        B0, B1, B2, B3, B4, B5, B6, B7,  # B_i over b[i] [K_i, N] (box BLOCK_K x BLOCK_N) or, B_KMAJOR, over b[i].T [N, K_i]
+        B0, B1, B2, B3, B4, B5, B6, B7,  # B_i over b[i] [K_i, N] (box BLOCK_K x BLOCK_N), or with
+                                         # B_KMAJOR over b[i].T [N, K_i] (box BLOCK_N x BLOCK_K)
         K,                       # tuple of NPART ints: K_i (each > 0)
         C,                       # output buffer, dtype of the result
         M, N,
