@@ -1,4 +1,5 @@
-"""A stand-in for a Triton kernel in tests: records the grid of each launch, then launches."""
+"""Test helpers for the Triton kernels: a stand-in that records each launch's grid, and a launch replayed
+from a captured CUDA graph (the runtime's way)."""
 
 
 class Launches:
@@ -11,3 +12,23 @@ class Launches:
     def __getitem__(self, grid):
         self.grids.append(grid)
         return self.kernel[grid]
+
+
+def replayed(launch):
+    """``launch()`` (returning a list of tensors) captured in a CUDA graph, after one warm-up off the
+    capture, then replayed once into outputs zeroed first: the replay's outputs (a CUDA device needed)."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch()                                                # compile and warm up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = launch()
+    for x in captured:
+        x.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return captured

@@ -28,7 +28,7 @@ from fastpipe.kernels import (  # noqa: E402
 )
 from fastpipe.kernels import mm_reduce_scatter_kernel as mrs  # noqa: E402
 from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting, launch_mm_sum  # noqa: E402
-from tests.kernel_launches import Launches  # noqa: E402
+from tests.kernel_launches import Launches, replayed  # noqa: E402
 from tests.tensor_compare import assert_close, tolerance  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -446,18 +446,7 @@ def test_gpu_split_k_bf16_and_in_a_captured_graph(split_k, dim):
     cfg = KernelConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3, split_k=split_k)
     eager = matmul_reduce_scatter(a, b, dim=dim, config=cfg)
     assert_matches(eager, a, b, dim, tol=(8e-3, 1e-5))
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        matmul_reduce_scatter(a, b, dim=dim, config=cfg)          # warm-up off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        captured = matmul_reduce_scatter(a, b, dim=dim, config=cfg)
-    for x in captured:
-        x.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    captured = replayed(lambda: matmul_reduce_scatter(a, b, dim=dim, config=cfg))
     assert all(torch.equal(x, y) for x, y in zip(captured, eager))   # the shares are added in a fixed order
 
 

@@ -23,7 +23,7 @@ from fastpipe.kernels import KernelConfig, all_gather_matmul, matmul_reduce_scat
 from fastpipe.kernels import mm_reduce_scatter_kernel as mrs  # noqa: E402
 from fastpipe.kernels import mm_sum_tma, tuned  # noqa: E402
 from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting  # noqa: E402
-from tests.kernel_launches import Launches  # noqa: E402
+from tests.kernel_launches import Launches, replayed  # noqa: E402
 from tests.test_kernels_all_gather_matmul import assert_matches as assert_gathered  # noqa: E402
 from tests.test_kernels_matmul_reduce_scatter import assert_matches  # noqa: E402
 
@@ -220,16 +220,5 @@ def test_gpu_tma_bf16_and_in_a_captured_graph(M, dim):
     cfg = KernelConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3, tma=True)
     eager = matmul_reduce_scatter(a, b, dim=dim, config=cfg)
     assert_matches(eager, a, b, dim, tol=(8e-3, 1e-5))
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        matmul_reduce_scatter(a, b, dim=dim, config=cfg)               # warm-up off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        captured = matmul_reduce_scatter(a, b, dim=dim, config=cfg)
-    for x in captured:
-        x.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    captured = replayed(lambda: matmul_reduce_scatter(a, b, dim=dim, config=cfg))
     assert all(torch.equal(x, y) for x, y in zip(captured, eager))
