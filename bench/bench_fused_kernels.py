@@ -378,16 +378,16 @@ def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: s
     memory (an H100 has 227 KiB a block) and at most 128 fp32 accumulators a thread (128x256 on 4
     warps needs 256 and spills kilobytes of registers on sm_90: scripts/compile_kernels.py
     --tune-candidates). For the mm_sum launcher, also split-K (``split_k_candidates``) where a
-    config's tiles would leave most of the GPU's ``sms`` SMs idle, and with ``tma`` (a GPU of compute
-    capability 9.0 or newer) the persistent TMA kernel (``tma_candidates``). --smoke: interpreter-sized
-    ones (for mm_sum, one split-K and, with ``tma``, one TMA)."""
+    config's tiles would leave most of the GPU's ``sms`` SMs idle; with ``tma`` (a GPU of compute
+    capability 9.0 or newer), for both launchers, the persistent TMA kernel (``tma_candidates``).
+    --smoke: interpreter-sized ones (for mm_sum one split-K; with ``tma`` one TMA)."""
     if smoke:
         small = [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1),
                  KernelConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1)]
+        tma_small = [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1, tma=True)] if tma else []
         if launcher != "mm_sum":
-            return small
-        return small + [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1, split_k=2)] + \
-            ([KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1, tma=True)] if tma else [])
+            return small + tma_small
+        return small + [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1, split_k=2)] + tma_small
     p = 16
     while p < M and p < 128:
         p *= 2
@@ -403,9 +403,8 @@ def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: s
                     if stages * (bm * bk + bk * bn) * elt > 200 * 1024 or bm * bn > 128 * 32 * warps:
                         continue
                     out.append(KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages))
-    if launcher != "mm_sum":
-        return out
-    return out + split_k_candidates(M, N, out, sms) + (tma_candidates(out) if tma else [])
+    split = split_k_candidates(M, N, out, sms) if launcher == "mm_sum" else []
+    return out + split + (tma_candidates(out) if tma else [])
 
 
 def _has_tma(device: torch.device, smoke: bool) -> bool:
@@ -417,9 +416,9 @@ def _has_tma(device: torch.device, smoke: bool) -> bool:
 
 
 def tma_candidates(configs: list[KernelConfig]) -> list[KernelConfig]:
-    """The persistent TMA kernel (``fastpipe.kernels.mm_sum_tma``) with the tiles of those configs that have
-    at least 64 rows and 8 warps and 3 stages: Hopper's warpgroup MMA takes 64 rows at a time, and the TMA
-    kernel's loads need no registers, so the deeper 4-warp pipelines add little but compile time."""
+    """The persistent TMA kernels (``fastpipe.kernels.mm_sum_tma``, ``gather_rows_tma``) with the tiles of
+    those configs that have at least 64 rows and 8 warps and 3 stages: Hopper's warpgroup MMA takes 64 rows
+    at a time, and TMA loads need no registers, so the deeper 4-warp pipelines add little but compile time."""
     return [dataclasses.replace(c, tma=True) for c in configs
             if c.block_m >= 64 and (c.num_warps, c.num_stages) == (8, 3)]
 

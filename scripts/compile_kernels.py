@@ -56,7 +56,7 @@ class Compiled:
     """One compiled kernel: what was called, the config, and what ptxas made of it."""
 
     call: str          # e.g. "matmul_reduce_scatter dim=0 M=1024 NK=4096 n=2 bf16"
-    kernel: str        # _mm_sum_kernel / _split_k_sum_kernel / _gather_rows_kernel
+    kernel: str        # _mm_sum_kernel / _split_k_sum_kernel / _gather_rows_kernel / _mm_sum_tma_kernel / ...
     config: str        # "128x256x64 w8 s3"
     shared_bytes: int = 0
     registers: int = 0
@@ -107,7 +107,7 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
         setattr(obj, name, value)
 
     real_pick = mrs.pick_config
-    tma_kernel = mrs.mm_sum_tma._mm_sum_tma_kernel
+    tma_kernels = (mrs.mm_sum_tma._mm_sum_tma_kernel, agm.gather_rows_tma._gather_rows_tma_kernel)
 
     def pick_as_on_gpu(M, N, K, dtype, device="cuda", **kw):
         return real_pick(M, N, K, dtype, torch.device("cuda"), **kw)
@@ -120,7 +120,7 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
             # (the split-K sum kernel has no K step and no grouping: 16 and 1 stand in)
             cfg = KernelConfig(kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs.get("BLOCK_K", 16),
                                kwargs.get("GROUP_M", 1), kwargs.get("num_warps", 4), kwargs.get("num_stages", 3),
-                               kwargs.get("SPLIT_K", 1), tma=kernel is tma_kernel)
+                               kwargs.get("SPLIT_K", 1), tma=kernel in tma_kernels)
             record.append((kernel.fn.__name__, cfg, compiled))
             return compiled
         return run_warmup
@@ -135,7 +135,8 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
             patch(mod, "_require_launchable", lambda what, device: None)
         patch(mrs._mm_sum_kernel, "run", compile_only(mrs._mm_sum_kernel))
         patch(mrs._split_k_sum_kernel, "run", compile_only(mrs._split_k_sum_kernel))
-        patch(tma_kernel, "run", compile_only(tma_kernel))
+        for kernel in tma_kernels:
+            patch(kernel, "run", compile_only(kernel))
         patch(agm._gather_rows_kernel, "run", compile_only(agm._gather_rows_kernel))
         yield
     finally:

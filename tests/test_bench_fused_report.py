@@ -76,7 +76,7 @@ def test_tune_candidates_fit_and_follow_m():
                 assert any(x.split_k > 1 and (x.block_m, x.block_n, x.num_warps) == (c.block_m, c.block_n, c.num_warps)
                            for x in mm)
         assert any(c.split_k > 1 for c in mm) == (M < 1024)
-    # TMA (mm_sum only, on Hopper): the 8-warp 3-stage tiles of >= 64 rows again, persistent with TMA loads
+    # TMA (on Hopper): the 8-warp 3-stage tiles of >= 64 rows again, persistent with TMA loads
     for M, N in ((16, 4096), (128, 4096), (1024, 4096), (8192, 8192)):
         mm = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="mm_sum")
         with_tma = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="mm_sum", tma=True)
@@ -85,8 +85,10 @@ def test_tune_candidates_fit_and_follow_m():
         assert tma == [dataclasses.replace(c, tma=True) for c in mm
                        if c.split_k == 1 and c.block_m >= 64 and (c.num_warps, c.num_stages) == (8, 3)]
         assert bool(tma) == (M >= 64) and len(with_tma) <= 48
-        assert tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows", tma=True) == \
-            tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows")
+        rows = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows")
+        rows_tma = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows", tma=True)
+        assert rows_tma == rows + [dataclasses.replace(c, tma=True) for c in rows
+                                   if c.block_m >= 64 and (c.num_warps, c.num_stages) == (8, 3)]
     assert launcher_shape("matmul_reduce_scatter", 1024, 4096, 4, 0) == ("mm_sum", 1024, 4096, 4096)
     assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 0) == ("gather_rows", 1024, 1024, 4096)
     assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 1) == ("mm_sum", 1024, 1024, 1024)
@@ -117,19 +119,22 @@ def test_tuned_table_keeps_checked_gains_only(tmp_path):
 def test_smoke_tune_then_table(tmp_path):
     pytest.importorskip("triton")
     out, table = tmp_path / "tune.json", tmp_path / "table.json"
-    r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--smoke", "--kernel", "matmul_reduce_scatter",
+    r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--smoke", "--kernel", "both",
                         "--check", "--tune", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
+    assert {row["kernel"] for row in rows} == {"matmul_reduce_scatter", "all_gather_matmul"}
     for row in rows:
         t = row["tuned"]
-        # 2 plain, 1 split-K and 1 TMA candidate (the interpreter runs TMA descriptors), each checked
-        assert t["check"] == "ok" and t["candidates"] == 4 and t["launcher"] == "mm_sum" and t["ms"] > 0
-        assert "tune_skipped" not in row
+        mm_sum = row["kernel"] == "matmul_reduce_scatter"
+        # every candidate ran (the interpreter runs TMA descriptors): 2 plain and 1 TMA, and for mm_sum 1 split-K
+        assert t["check"] == "ok" and t["candidates"] == (4 if mm_sum else 3) and t["ms"] > 0
+        assert t["launcher"] == ("mm_sum" if mm_sum else "gather_rows") and "tune_skipped" not in row
         # the row says which config the fused kernel ran, and that the heuristic (not a tuned table) picked it
-        assert row["fused_config"] == pick_config(row["M"], 64, 64, torch.bfloat16, "cpu").text()
+        N = 64 if mm_sum else 32                                    # all_gather_matmul: N / n per output
+        assert row["fused_config"] == pick_config(row["M"], N, 64, torch.bfloat16, "cpu").text()
         assert row["fused_config_from"] == "heuristic"
-        assert (t["M"], t["N"], t["K"], t["n"]) == (row["M"], 64, 64, 2)
+        assert (t["M"], t["N"], t["K"], t["n"]) == (row["M"], N, 64, 2)
     r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--write-tuned", str(table), str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and json.loads(table.read_text())["format"] == 1, r.stderr

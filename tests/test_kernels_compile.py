@@ -115,14 +115,16 @@ def test_a_split_k_config_compiles_for_hopper(tmp_path):
     assert all(r["mma"] == "wgmma" and r["loads"] == "cp.async" for r in shares), shares
 
 
-def test_the_tma_kernel_compiles_for_hopper_with_tma_loads(tmp_path):
-    """KernelConfig(tma=True): the persistent kernel loads every operand tile with TMA
-    (cp.async.bulk.tensor) into the warpgroup MMA, for b[i] = w.t() (transposed boxes) in bf16, dims 0
-    and 1, without spills (128x256x64 on 8 warps, 3 stages: 144 KiB of shared memory)."""
-    done, rows = compile_kernels(tmp_path, "--kernel", "matmul_reduce_scatter", "--ms", "1024", "--nk", "4096",
-                                 "--ns", "2", "--config", "128,256,64,8,3,tma")
+def test_the_tma_kernels_compile_for_hopper_with_tma_loads(tmp_path):
+    """KernelConfig(tma=True): both persistent kernels load every operand tile with TMA
+    (cp.async.bulk.tensor) into the warpgroup MMA, for b = w.t() (transposed boxes) in bf16, dims 0 and
+    1, without spills (128x256x64 on 8 warps, 3 stages: 144 KiB of shared memory); gather_rows' builds
+    its descriptors on the device (global scratch, which its launcher must pass)."""
+    done, rows = compile_kernels(tmp_path, "--ms", "1024", "--nk", "4096", "--ns", "2", "--config", "128,256,64,8,3,tma")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert [r["kernel"] for r in rows] == ["_mm_sum_tma_kernel"] * 2, rows       # dims 0 and 1
+    kernels = [r["kernel"] for r in rows]
+    assert kernels.count("_gather_rows_tma_kernel") == 1 and set(kernels) == {"_mm_sum_tma_kernel",
+                                                                              "_gather_rows_tma_kernel"}, rows
     for r in rows:
         assert not r["problems"] and r["spill_bytes"] == 0 and r["config"] == "128x256x64 w8 s3 tma", r
         assert r["mma"] == "wgmma" and r["loads"] == "tma", r

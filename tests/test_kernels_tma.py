@@ -1,4 +1,5 @@
-"""The mm_sum launcher's persistent TMA kernel (fastpipe/kernels/mm_sum_tma.py): KernelConfig(tma=True).
+"""The persistent TMA kernels, KernelConfig(tma=True): the mm_sum launcher's (fastpipe/kernels/mm_sum_tma.py:
+matmul_reduce_scatter, all_gather_matmul dim 1) and gather_rows' (gather_rows_tma.py: all_gather_matmul dim 0).
 
 Without CUDA it runs under TRITON_INTERPRET=1, whose tensor descriptors copy boxes as the GPU's TMA
 does (zeros past an operand's edge). Results are compared with the float64 oracle of
@@ -21,7 +22,8 @@ import pytest  # noqa: E402
 
 from fastpipe.kernels import KernelConfig, all_gather_matmul, matmul_reduce_scatter  # noqa: E402
 from fastpipe.kernels import mm_reduce_scatter_kernel as mrs  # noqa: E402
-from fastpipe.kernels import mm_sum_tma, tuned  # noqa: E402
+from fastpipe.kernels import all_gather_mm_kernel as agm  # noqa: E402
+from fastpipe.kernels import gather_rows_tma, mm_sum_tma, tuned  # noqa: E402
 from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting  # noqa: E402
 from tests.kernel_launches import Launches, replayed  # noqa: E402
 from tests.test_kernels_all_gather_matmul import assert_matches as assert_gathered  # noqa: E402
@@ -109,6 +111,71 @@ def test_zero_k_participants_are_left_out(few_programs):
     assert all(torch.equal(o, torch.zeros_like(o)) for o in outs) and len(few_programs.grids) == 1
 
 
+def gathered_operands(n, ms, K, ns, dtype, *, b_cols: bool, seed=0):
+    """dim 0 shards a[i]: [ms, K] and weights b[j]: [K, N_j] (w.t() with b_cols), TMA-aligned."""
+    g = torch.Generator().manual_seed(seed)
+    a = [torch.randn(ms, K, generator=g).to(dtype) for _ in range(n)]
+    if b_cols:
+        b = [torch.randn(nj, K, generator=g).to(dtype).t() for nj in ns]
+    else:
+        b = [torch.randn(K, nj, generator=g).to(dtype) for nj in ns]
+    return a, b
+
+
+@pytest.fixture
+def gather_launches(monkeypatch):
+    """The gather_rows TMA kernel's launches, with 8 SMs: n x n blocks of programs, several tiles each."""
+    launches = Launches(gather_rows_tma._gather_rows_tma_kernel)
+    monkeypatch.setattr(mrs, "_num_sms", lambda device: 8)
+    monkeypatch.setattr(agm, "_num_sms", lambda device: 8)
+    monkeypatch.setattr(gather_rows_tma, "_gather_rows_tma_kernel", launches)
+    return launches
+
+
+@interpreter_only
+@pytest.mark.parametrize("b_cols", [True, False], ids=["b_cols", "b_rows"])
+@pytest.mark.parametrize("ms", [32, 19], ids=["whole_tiles", "partial_tiles"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_gather_rows_tma_matches_float64(gather_launches, dtype, n, ms, b_cols):
+    """dim 0: block (s, j) computes shard s's rows of output j; 19-row shards end inside a 16-row tile
+    (TMA reads zeros past the shard, the store stops at its rows); outputs 48, 32 and 64 wide."""
+    ns = [48, 32, 64][:n]
+    a, b = gathered_operands(n, ms, 40, ns, dtype, b_cols=b_cols, seed=n + ms)
+    got = all_gather_matmul(a, b, dim=0, config=TMA)
+    blocks, tiles = n * n, -(-ms // 16) * (max(ns) // 16)               # a block's tiles (of the widest output)
+    assert gather_launches.grids == [(blocks * max(1, min(tiles, 8 // blocks)),)]
+    assert_gathered(got, a, b, 0)
+    if ms % 16 == 0:                                                   # the plain kernel's tiles, the same K order
+        plain = all_gather_matmul(a, b, dim=0, config=PLAIN)
+        assert all(torch.equal(x, y) for x, y in zip(got, plain))
+
+
+@interpreter_only
+def test_gather_rows_tma_leaves_the_callers_allocator_alone(gather_launches):
+    """The descriptors' scratch allocator is set in a copy of the caller's context, for the launch only."""
+    import triton
+    from triton.runtime import _allocation
+
+    before = _allocation._allocator.get()
+    a, b = gathered_operands(2, 16, 32, [32, 32], torch.float32, b_cols=True)
+    assert_gathered(all_gather_matmul(a, b, dim=0, config=TMA), a, b, 0)
+    assert _allocation._allocator.get() is before and len(gather_launches.grids) == 1
+    del triton
+
+
+@interpreter_only
+def test_gather_rows_tma_refusals_and_zero_k(gather_launches):
+    a, b = gathered_operands(2, 16, 32, [32, 32], torch.float32, b_cols=True)
+    b = [b[0], b[1].contiguous()]                                       # one column-major, one row-major
+    with pytest.raises(ValueError, match=r"^all_gather_matmul: config.tma: the TMA kernel cannot load these operands: "
+                                         r"the b\[i\] are neither all row-major nor all column-major"):
+        all_gather_matmul(a, b, dim=0, config=TMA)
+    a, b = gathered_operands(2, 16, 0, [32, 32], torch.float32, b_cols=False)
+    outs = all_gather_matmul(a, b, dim=0, config=TMA)                   # K = 0: nothing to load, the plain kernel
+    assert all(torch.equal(o, torch.zeros_like(o)) for o in outs) and gather_launches.grids == []
+
+
 def test_tma_problem_names_the_operand():
     a, b = operands(32, 32, [32, 32], torch.bfloat16, b_cols=True)
     cpu = torch.device("cpu")
@@ -175,14 +242,7 @@ def test_kernel_config_tma_validation():
         KernelConfig(512, 64, 64, tma=True)
 
 
-def test_gather_rows_refuses_tma():
-    a = [torch.randn(16, 32, device=DEV) for _ in range(2)]
-    b = [torch.randn(32, 16, device=DEV) for _ in range(2)]
-    with pytest.raises(ValueError, match=r"all_gather_matmul: config.tma: expected false \(dim 0's kernel"):
-        all_gather_matmul(a, b, dim=0, config=TMA)
-
-
-def test_tuned_table_takes_tma_for_mm_sum_only(tmp_path, monkeypatch):
+def test_tuned_table_takes_tma(tmp_path, monkeypatch):
     entry = {"launcher": "mm_sum", "device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16", "M": 1024, "N": 4096,
              "K": 4096, "n": 2, "config": dataclasses.asdict(KernelConfig(128, 256, 64, 8, 8, 3, tma=True))}
     table = tuned.parse_table({"format": 1, "entries": [entry]}, "t.json")
@@ -192,9 +252,9 @@ def test_tuned_table_takes_tma_for_mm_sum_only(tmp_path, monkeypatch):
     path.write_text(json.dumps({"format": 1, "entries": [entry]}))
     monkeypatch.setenv("FASTPIPE_TUNED_CONFIGS", str(path))
     assert tuned.lookup("mm_sum", 8192, 4096, 4096, 2, torch.bfloat16, "NVIDIA H100 80GB HBM3").tma  # above: kept
-    bad = dict(entry, launcher="gather_rows")
-    with pytest.raises(ValueError, match=r"^t.json: entries\[0\].config.tma: expected false for the gather_rows"):
-        tuned.parse_table({"format": 1, "entries": [bad]}, "t.json")
+    rows = dict(entry, launcher="gather_rows")
+    assert tuned.parse_table({"format": 1, "entries": [rows]}, "t.json")[
+        ("gather_rows", "NVIDIA H100 80GB HBM3", "bfloat16", 4096, 4096, 2)][0][1].tma
     bad = dict(entry, config=dict(entry["config"], tma="yes"))
     with pytest.raises(ValueError, match=r"^t.json: entries\[0\].config: expected KernelConfig fields.*tma"):
         tuned.parse_table({"format": 1, "entries": [bad]}, "t.json")
@@ -221,4 +281,22 @@ def test_gpu_tma_bf16_and_in_a_captured_graph(M, dim):
     eager = matmul_reduce_scatter(a, b, dim=dim, config=cfg)
     assert_matches(eager, a, b, dim, tol=(8e-3, 1e-5))
     captured = replayed(lambda: matmul_reduce_scatter(a, b, dim=dim, config=cfg))
+    assert all(torch.equal(x, y) for x, y in zip(captured, eager))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("M, n", [(1000, 2), (1024, 4)])
+def test_gpu_gather_rows_tma_bf16_and_in_a_captured_graph(M, n):
+    """all_gather_matmul dim 0 on the TMA kernel, bf16, K 4096, outputs 4096 / n wide (M 1000: 500-row shards end
+    inside a tile): against float64, and replayed from a captured CUDA graph, whose capture allocates the
+    descriptors' scratch from the graph's pool."""
+    if mm_sum_tma.device_problem(torch.device("cuda")) is not None:
+        pytest.skip(mm_sum_tma.device_problem(torch.device("cuda")))
+    a, b = gathered_operands(n, M // n, 4096, [4096 // n] * n, torch.bfloat16, b_cols=True, seed=M + n)
+    a, b = [x.cuda() for x in a], [x.cuda() for x in b]
+    cfg = KernelConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3, tma=True)
+    eager = all_gather_matmul(a, b, dim=0, config=cfg)
+    assert_gathered(eager, a, b, 0, tol=(8e-3, 1e-5))
+    captured = replayed(lambda: all_gather_matmul(a, b, dim=0, config=cfg))
     assert all(torch.equal(x, y) for x, y in zip(captured, eager))

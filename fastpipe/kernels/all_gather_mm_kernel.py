@@ -13,7 +13,8 @@ participant needs the whole activation times its own weight columns ``b[j]``. Th
    K-slices -- exactly the kernel of :mod:`fastpipe.kernels.mm_reduce_scatter_kernel`, with
    ``b[j]`` cut into row slices (views, no copies) and one plain output.
 3. :func:`all_gather_matmul` -- the launcher: validates, picks block sizes; dim 0 in one
-   launch, dim 1 one launch per output j.
+   launch, dim 1 one launch per output j. A config with ``tma`` runs dim 0 on
+   :mod:`fastpipe.kernels.gather_rows_tma` (dim 1 on ``mm_sum_tma``), Hopper's TMA loads.
 4. :func:`all_gather_matmul_overlapped` -- for participants on different GPUs: participant
    j starts with its own shard and multiplies each other shard as it arrives (ring order),
    the copy of the next shard overlapping the current GEMM.
@@ -34,10 +35,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from fastpipe.kernels import gather_rows_tma
 from fastpipe.kernels.mm_reduce_scatter_kernel import (
     KernelConfig,
     _input_precision,
     _norm_dim,
+    _num_sms,
     _require_launchable,
     _Transfers,
     check_devices,
@@ -48,6 +51,7 @@ from fastpipe.kernels.mm_reduce_scatter_kernel import (
     mm_f32,
     pick_config,
     tl,
+    tma_or_pointer_loads,
     triton,
 )
 from fastpipe.kernels.tiles import grouped_tile
@@ -188,10 +192,6 @@ def launch_gather_rows(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
         raise ValueError(f"{what}: config.split_k: expected 1 (dim 0 writes each tile once; split-K is the "
                          f"mm_sum launcher's: matmul_reduce_scatter, all_gather_matmul dim 1), "
                          f"found {config.split_k}")
-    if config is not None and config.tma:
-        raise ValueError(f"{what}: config.tma: expected false (dim 0's kernel picks each row's shard; the TMA "
-                         f"kernel is the mm_sum launcher's: matmul_reduce_scatter, all_gather_matmul dim 1), "
-                         f"found true")
     ms, K = a[0].shape
     M = outs[0].shape[0]
     ns = [int(o.shape[1]) for o in outs]
@@ -200,6 +200,14 @@ def launch_gather_rows(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
         return
     # pick_config sees one output's [M, max N_j] and n: the grid holds n of them (see its docstring)
     cfg = config or pick_config(M, nmax, K, b[0].dtype, outs[0].device, launcher="gather_rows", n=len(a))
+    if cfg.tma:
+        why = gather_rows_tma.gather_rows_tma_problem(a, b, outs[0].device)
+        cfg = tma_or_pointer_loads(why, cfg, explicit=config is not None, what=what)
+    if cfg.tma:
+        with device_guard(outs[0].device):
+            if gather_rows_tma.launch_gather_rows_tma(a, b, outs, cfg, input_precision=_input_precision(b[0].dtype),
+                                                      dot_f32=dot_f32(b[0].dtype), sms=_num_sms(outs[0].device)):
+                return
     saks = tuple(x.stride(1) for x in a)
     shapes = {(nj, bj.stride(), o.stride()) for nj, bj, o in zip(ns, b, outs)}
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(nmax, cfg.block_n), len(outs))

@@ -21,10 +21,10 @@ class KernelConfig:
     participants) into a float32 workspace, then one more launch adds the shares in a fixed order
     and writes the tile. More programs where the output has fewer tiles than the GPU has SMs (a
     decode's M), at the cost of split_k x M x N x 4 bytes written and read back. 1: no split.
-    tma: the mm_sum launcher only: the persistent kernel that loads tiles with Hopper's tensor memory
-    accelerator (``fastpipe.kernels.mm_sum_tma``): one program per SM, each taking output tiles in
-    turn, the operand tiles copied into shared memory by TMA descriptors instead of per-thread
-    pointer loads. Needs compute capability 9.0 or newer, and operands TMA can address (a row-major
+    tma: the persistent kernel that loads tiles with Hopper's tensor memory accelerator
+    (``fastpipe.kernels.mm_sum_tma`` for the mm_sum launcher, ``gather_rows_tma`` for gather_rows): one
+    program per SM, each taking output tiles in turn, the operand tiles copied into shared memory by
+    TMA descriptors instead of per-thread pointer loads. Needs compute capability 9.0 or newer, and operands TMA can address (a row-major
     a[i]; b[i] row- or column-major; 16-byte aligned pointers and strides). Not with split_k.
     """
 

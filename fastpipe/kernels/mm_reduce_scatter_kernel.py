@@ -357,7 +357,8 @@ def launch_mm_sum(a: Sequence[Tensor], b: Sequence[Tensor], out: Tensor, *, spli
     scm, scn = out_strides if out_strides is not None else out.stride()
     out_args = (M, N, scm, scn, max(split_cols, 1), chunk_stride, 1.0 if scale is None else float(scale))
     if cfg.tma:
-        cfg = _tma_or_pointer_loads(a, b, out.device, cfg, explicit=config is not None, what=what)
+        cfg = tma_or_pointer_loads(mm_sum_tma.tma_problem(a, b, out.device), cfg, explicit=config is not None,
+                                   what=what)
     if cfg.tma:
         with device_guard(out.device):
             if mm_sum_tma.launch_tma(a, b, out, cfg, out_args, split_cols=split_cols > 0, scale=scale is not None,
@@ -392,10 +393,10 @@ def launch_mm_sum(a: Sequence[Tensor], b: Sequence[Tensor], out: Tensor, *, spli
 _warned_tma: set[str] = set()
 
 
-def _tma_or_pointer_loads(a, b, device: torch.device, cfg: KernelConfig, *, explicit: bool, what: str) -> KernelConfig:
-    """cfg where its TMA kernel can load these operands. Otherwise: a config passed by the caller is
-    refused (ValueError); a tuned one runs its tiles with pointer loads, and says so once per reason."""
-    why = mm_sum_tma.tma_problem(a, b, device)
+def tma_or_pointer_loads(why: str | None, cfg: KernelConfig, *, explicit: bool, what: str) -> KernelConfig:
+    """cfg where its TMA kernel can load the operands (``why``, the launcher's TMA check, is None).
+    Otherwise: a config passed by the caller is refused (ValueError); a tuned one runs its tiles with
+    pointer loads, and says so once per reason."""
     if why is None:
         return cfg
     if explicit:

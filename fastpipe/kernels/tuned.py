@@ -15,8 +15,9 @@ tuned on one GPU says nothing of another's), the same dtype, N, K and n, and to 
 a factor of two of its own (M/2 < call's M <= 2M; the nearest entry wins, a tie the larger), and above
 the largest measured M, to every M -- but a split-K config (``config.split_k`` > 1; the mm_sum
 launcher's only) only within its factor of two: a larger M fills the GPU with its own tiles. A
-config with ``"tma": true`` (mm_sum's only) runs the persistent TMA kernel (``mm_sum_tma``); where a
-call's operands do not suit TMA its tiles run with pointer loads, with a warning.
+config with ``"tma": true`` runs the launcher's persistent TMA kernel (``mm_sum_tma``,
+``gather_rows_tma``); where a call's operands do not suit TMA its tiles run with pointer loads, with a
+warning.
 Elsewhere the heuristic picks: a config's fitness depends on how many tiles the grid has
 (ceil(M / BLOCK_M) x ceil(N / BLOCK_N) against the SMs), so one tuned at M 1024 (a 128x256 tile, 128
 tiles at N 4096) would leave most of an H100 idle at a decode's M 16 (16 tiles).
@@ -68,9 +69,6 @@ def parse_table(doc, where: str) -> dict[tuple, list[tuple[int, object]]]:
         if e["launcher"] == "gather_rows" and cfg.split_k != 1:
             raise ValueError(f"{at}.config.split_k: expected 1 for the gather_rows launcher (split-K is mm_sum's), "
                              f"found {cfg.split_k}")
-        if e["launcher"] == "gather_rows" and cfg.tma:
-            raise ValueError(f"{at}.config.tma: expected false for the gather_rows launcher (the TMA kernel is "
-                             f"mm_sum's), found true")
         key = (e["launcher"], e["device"], e["dtype"], e["N"], e["K"], e["n"])
         out.setdefault(key, []).append((e["M"], cfg))
     for rows in out.values():
