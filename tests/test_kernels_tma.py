@@ -42,12 +42,18 @@ interpreter_only = pytest.mark.skipif(CUDA, reason="the interpreter runs CPU ten
 def operands(M, N, ks, dtype, *, b_cols: bool, seed=0):
     """a[i]: [M, K_i] row-major; b[i]: [K_i, N], w.t() of a [N, K_i] weight (b_cols) or row-major.
     Sizes keep every leading stride a multiple of 16 bytes (TMA's alignment)."""
+    return random_pairs([(M, k) for k in ks], [(k, N) for k in ks], dtype, b_cols=b_cols, seed=seed)
+
+
+def random_pairs(a_shapes, b_shapes, dtype, *, b_cols: bool, seed=0):
+    """a: standard normal tensors of a_shapes; b: of b_shapes ([K, N] each), w.t() of an [N, K] weight
+    (b_cols) or row-major."""
     g = torch.Generator().manual_seed(seed)
-    a = [torch.randn(M, k, generator=g).to(dtype) for k in ks]
+    a = [torch.randn(*shape, generator=g).to(dtype) for shape in a_shapes]
     if b_cols:
-        b = [torch.randn(N, k, generator=g).to(dtype).t() for k in ks]
+        b = [torch.randn(n, k, generator=g).to(dtype).t() for k, n in b_shapes]
     else:
-        b = [torch.randn(k, N, generator=g).to(dtype) for k in ks]
+        b = [torch.randn(k, n, generator=g).to(dtype) for k, n in b_shapes]
     return a, b
 
 
@@ -113,13 +119,7 @@ def test_zero_k_participants_are_left_out(few_programs):
 
 def gathered_operands(n, ms, K, ns, dtype, *, b_cols: bool, seed=0):
     """dim 0 shards a[i]: [ms, K] and weights b[j]: [K, N_j] (w.t() with b_cols), TMA-aligned."""
-    g = torch.Generator().manual_seed(seed)
-    a = [torch.randn(ms, K, generator=g).to(dtype) for _ in range(n)]
-    if b_cols:
-        b = [torch.randn(nj, K, generator=g).to(dtype).t() for nj in ns]
-    else:
-        b = [torch.randn(K, nj, generator=g).to(dtype) for nj in ns]
-    return a, b
+    return random_pairs([(ms, K)] * n, [(K, nj) for nj in ns], dtype, b_cols=b_cols, seed=seed)
 
 
 @pytest.fixture
@@ -152,16 +152,28 @@ def test_gather_rows_tma_matches_float64(gather_launches, dtype, n, ms, b_cols):
 
 
 @interpreter_only
-def test_gather_rows_tma_leaves_the_callers_allocator_alone(gather_launches):
-    """The descriptors' scratch allocator is set in a copy of the caller's context, for the launch only."""
-    import triton
+def test_gather_rows_tma_scratch_allocator_is_set_for_the_launch_only(monkeypatch):
+    """Triton's launcher asks the context's allocator (triton.runtime._allocation._allocator) for the
+    descriptors' scratch: during the launch it gives int8 buffers on the outputs' device; the caller's
+    context keeps its own allocator."""
     from triton.runtime import _allocation
 
+    seen, real = [], gather_rows_tma._gather_rows_tma_kernel
+
+    class Recording:                                  # asks for scratch as Triton's launcher does, then launches
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                seen.append(_allocation._allocator.get()(grid[0] * 128, 128, None))
+                return real[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(gather_rows_tma, "_gather_rows_tma_kernel", Recording())
     before = _allocation._allocator.get()
     a, b = gathered_operands(2, 16, 32, [32, 32], torch.float32, b_cols=True)
     assert_gathered(all_gather_matmul(a, b, dim=0, config=TMA), a, b, 0)
-    assert _allocation._allocator.get() is before and len(gather_launches.grids) == 1
-    del triton
+    [buf] = seen
+    assert buf.dtype == torch.int8 and buf.device == a[0].device and buf.numel() % 128 == 0 and buf.numel() > 0
+    assert _allocation._allocator.get() is before
 
 
 @interpreter_only
