@@ -296,10 +296,10 @@ def test_forced_fusion_refused_before_launch():
                            "--nproc", "2", "--fuse", "always"], capture_output=True, text=True, timeout=60, env=_env(),
                           cwd=ROOT)
     assert proc.returncode == 2
-    assert proc.stderr.splitlines() == ['fastpipe: error: fuse: "always" cannot fuse under the dist processor: the dist '
-                                        "processor runs no fused kernels (a group's members may sit on different "
-                                        "ranks, and a fused kernel needs every member in one process, on one device) "
-                                        '(fuse="auto" or "off")']
+    assert proc.stderr.splitlines() == [
+        'fastpipe: error: fuse: "always" cannot fuse under the dist processor: the dist processor runs no fused '
+        "kernels (a group's members may sit on different ranks, and a fused kernel needs every member in one "
+        'process, on one device) (fuse="auto" or "off")']
 
 
 def test_nproc_launches_micro_batches(tmp_path):

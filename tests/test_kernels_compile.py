@@ -120,7 +120,8 @@ def test_the_tma_kernels_compile_for_hopper_with_tma_loads(tmp_path):
     (cp.async.bulk.tensor) into the warpgroup MMA, for b = w.t() (transposed boxes) in bf16, dims 0 and
     1, without spills (128x256x64 on 8 warps, 3 stages: 144 KiB of shared memory); gather_rows' builds
     its descriptors on the device (global scratch, which its launcher must pass)."""
-    done, rows = compile_kernels(tmp_path, "--ms", "1024", "--nk", "4096", "--ns", "2", "--config", "128,256,64,8,3,tma")
+    done, rows = compile_kernels(tmp_path, "--ms", "1024", "--nk", "4096", "--ns", "2",
+                                 "--config", "128,256,64,8,3,tma")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     kernels = [r["kernel"] for r in rows]
     assert kernels.count("_gather_rows_tma_kernel") == 1 and set(kernels) == {"_mm_sum_tma_kernel",

@@ -24,8 +24,9 @@ class KernelConfig:
     tma: the persistent kernel that loads tiles with Hopper's tensor memory accelerator
     (``fastpipe.kernels.mm_sum_tma`` for the mm_sum launcher, ``gather_rows_tma`` for gather_rows): one
     program per SM, each taking output tiles in turn, the operand tiles copied into shared memory by
-    TMA descriptors instead of per-thread pointer loads. Needs compute capability 9.0 or newer, and operands TMA can address (a row-major
-    a[i]; b[i] row- or column-major; 16-byte aligned pointers and strides). Not with split_k.
+    TMA descriptors instead of per-thread pointer loads. Needs compute capability 9.0 or newer, and
+    operands TMA can address (a row-major a[i]; every b row-major or every one column-major; 16-byte
+    aligned pointers and strides). Not with split_k.
     """
 
     block_m: int
