@@ -382,12 +382,10 @@ def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: s
     capability 9.0 or newer), for both launchers, the persistent TMA kernel (``tma_candidates``).
     --smoke: interpreter-sized ones (for mm_sum one split-K; with ``tma`` one TMA)."""
     if smoke:
-        small = [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1),
-                 KernelConfig(32, 32, 32, group_m=4, num_warps=4, num_stages=1)]
-        tma_small = [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1, tma=True)] if tma else []
-        if launcher != "mm_sum":
-            return small + tma_small
-        return small + [KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1, split_k=2)] + tma_small
+        tiny = KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1)
+        small = [tiny, dataclasses.replace(tiny, block_m=32, block_n=32, block_k=32)]
+        split = [dataclasses.replace(tiny, split_k=2)] if launcher == "mm_sum" else []
+        return small + split + ([dataclasses.replace(tiny, tma=True)] if tma else [])
     p = 16
     while p < M and p < 128:
         p *= 2

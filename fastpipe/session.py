@@ -57,7 +57,7 @@ class Session:
         self.pipeline = pipeline
         self.slot_devices = resolve_device_map(pipeline, device_map)
         self.processor = choose_processor(opts.processor, self.slot_devices)
-        fuse, local, off_reason = opts.fuse, None, "fusion is off"
+        fuse, local, off_reason = opts.fuse, None, fusion.FUSION_OFF
         self.rank_plan = None                     # dist: which rank runs which slot (dist_setup.RankPlan)
         if self.processor == "dist":
             from fastpipe.runtime.dist_setup import make_plan

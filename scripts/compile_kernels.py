@@ -128,7 +128,8 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
     active = driver._active            # None until something asks: no CUDA driver needed to restore it
     driver.set_active(_TargetDriver(arch))
     try:
-        patch(mrs, "_num_sms", lambda device: sms)
+        for mod in (mrs, agm):                     # (all_gather_mm_kernel imported its own name)
+            patch(mod, "_num_sms", lambda device: sms)
         patch(mrs, "_device_name", lambda device: device_name)
         for mod in (mrs, agm):
             patch(mod, "pick_config", pick_as_on_gpu)

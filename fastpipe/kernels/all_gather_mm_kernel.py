@@ -51,8 +51,8 @@ from fastpipe.kernels.mm_reduce_scatter_kernel import (
     mm_f32,
     pick_config,
     tl,
-    tma_or_pointer_loads,
     triton,
+    use_tma,
 )
 from fastpipe.kernels.tiles import grouped_tile
 
@@ -200,10 +200,8 @@ def launch_gather_rows(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
         return
     # pick_config sees one output's [M, max N_j] and n: the grid holds n of them (see its docstring)
     cfg = config or pick_config(M, nmax, K, b[0].dtype, outs[0].device, launcher="gather_rows", n=len(a))
-    if cfg.tma:
-        why = gather_rows_tma.gather_rows_tma_problem(a, b, outs[0].device)
-        cfg = tma_or_pointer_loads(why, cfg, explicit=config is not None, what=what)
-    if cfg.tma:
+    if cfg.tma and use_tma(gather_rows_tma.gather_rows_tma_problem(a, b, outs[0].device), cfg,
+                           explicit=config is not None, what=what):
         with device_guard(outs[0].device):
             if gather_rows_tma.launch_gather_rows_tma(a, b, outs, cfg, input_precision=_input_precision(b[0].dtype),
                                                       dot_f32=dot_f32(b[0].dtype), sms=_num_sms(outs[0].device)):

@@ -41,7 +41,6 @@ fusion rule's measured points then say they timed an older kernel.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import warnings
 from collections.abc import Sequence
@@ -356,16 +355,14 @@ def launch_mm_sum(a: Sequence[Tensor], b: Sequence[Tensor], out: Tensor, *, spli
     cfg = config or pick_config(M, N, kmax, a[0].dtype, out.device, launcher="mm_sum", n=len(a))
     scm, scn = out_strides if out_strides is not None else out.stride()
     out_args = (M, N, scm, scn, max(split_cols, 1), chunk_stride, 1.0 if scale is None else float(scale))
-    if cfg.tma:
-        cfg = tma_or_pointer_loads(mm_sum_tma.tma_problem(a, b, out.device), cfg, explicit=config is not None,
-                                   what=what)
-    if cfg.tma:
+    if cfg.tma and use_tma(mm_sum_tma.tma_problem(a, b, out.device), cfg, explicit=config is not None, what=what):
         with device_guard(out.device):
             if mm_sum_tma.launch_tma(a, b, out, cfg, out_args, split_cols=split_cols > 0, scale=scale is not None,
                                      input_precision=_input_precision(a[0].dtype), dot_f32=dot_f32(a[0].dtype),
                                      sms=_num_sms(out.device)):
                 return out
-        cfg = dataclasses.replace(cfg, tma=False)   # no participant has K > 0: the zeros, by the plain kernel
+    # (a TMA config that did not launch -- operands TMA cannot load, or no participant with K > 0 -- runs
+    # its tiles here; this kernel has no TMA, and split_k is 1 with tma)
     sk = cfg.split_k
     # split-K: the shares' float32 [split_k, M, N] workspace (from the caching allocator; inside a
     # captured graph, from the graph's pool)
@@ -393,12 +390,12 @@ def launch_mm_sum(a: Sequence[Tensor], b: Sequence[Tensor], out: Tensor, *, spli
 _warned_tma: set[str] = set()
 
 
-def tma_or_pointer_loads(why: str | None, cfg: KernelConfig, *, explicit: bool, what: str) -> KernelConfig:
-    """cfg where its TMA kernel can load the operands (``why``, the launcher's TMA check, is None).
-    Otherwise: a config passed by the caller is refused (ValueError); a tuned one runs its tiles with
-    pointer loads, and says so once per reason."""
+def use_tma(why: str | None, cfg: KernelConfig, *, explicit: bool, what: str) -> bool:
+    """Whether a config with ``tma`` runs its TMA kernel: where it can load the operands (``why``, the
+    launcher's TMA check, is None). Otherwise a config passed by the caller is refused (ValueError), and
+    a tuned one runs its tiles with pointer loads (False), saying so once per reason."""
     if why is None:
-        return cfg
+        return True
     if explicit:
         raise ValueError(f"{what}: config.tma: the TMA kernel cannot load these operands: {why}")
     message = (f"{what}: the tuned launch config {cfg.text()} uses TMA, but {why}: its tiles run with "
@@ -406,7 +403,7 @@ def tma_or_pointer_loads(why: str | None, cfg: KernelConfig, *, explicit: bool, 
     if message not in _warned_tma:
         _warned_tma.add(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
-    return dataclasses.replace(cfg, tma=False)
+    return False
 
 
 def device_guard(device: torch.device):

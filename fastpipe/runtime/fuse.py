@@ -113,6 +113,7 @@ def _meta_shape(p, name: str) -> tuple[int, ...]:
     return tuple(p.tensors[name].shape)
 
 
+FUSION_OFF = "fusion is off"
 DIST_OFF = ("the dist processor runs no fused kernels (a group's members may sit on different ranks, and a fused "
             "kernel needs every member in one process, on one device)")
 
@@ -127,7 +128,7 @@ def check_fuse_for_dist(policy: str) -> None:
 
 
 def analyze(checked, slot_devices, policy: str, *, region: bool = False,
-            off_reason: str = "fusion is off") -> list[Decision]:
+            off_reason: str = FUSION_OFF) -> list[Decision]:
     """A decision for every reduce_scatter / all_gather group (``off_reason``: why, under policy "off").
 
     The graphs come from checked.graphs (decoded at their first use where payloads were not
