@@ -51,7 +51,11 @@ M at each, so a run cut short still has whole crossovers; --budget-s stops start
 --tune times the fused kernel under each of tune_candidates' launch configs (short do_bench runs),
 times the fastest again in full and checks it (--check); --write-tuned turns the rows where it beat
 the heuristic by more than 3% into fastpipe.kernels.tuned's table, which pick_config consults first
-on that GPU (the "fused" column of a later run then times the tuned kernel).
+on that GPU (the "fused" column of a later run then times the tuned kernel). Before the tuning, every
+candidate's first call is made in --compile-workers spawned processes (bench/compile_warmup.py; on a GPU
+by default the cores less two, at most 14), which fill Triton's on-disk cache, so the tuning's own first
+calls read compiled kernels instead of compiling them one at a time on one core (each tuned row's
+"first_calls_s" sums them; the JSON's "compile_warmup" says what the warm-up did).
 
 --threshold reads result files and prints, per (GPU, kernel, N, K_total, n, dtype), the measured
 crossover: the smallest M from which the fused kernel beat the unfused path (beyond the noise:
@@ -84,6 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench import compile_warmup  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from fastpipe import comm  # noqa: E402
 from fastpipe.atomic import write_text  # noqa: E402
@@ -289,9 +294,9 @@ def check_variant(kernel, variant, outs, refs, mags, dtype, device) -> float:
 def variants(kernel, M, NK, n, dim, dtype, device, lanes=None):
     """(a, b, fns by variant, split, K_total, N) for one case, or None where the split is not
     divisible by n; lanes: the unfused members' streams (on_lanes)."""
+    if not splits_evenly(kernel, M, NK, n, dim):
+        return None
     if kernel == "matmul_reduce_scatter":
-        if (M if dim == 0 else NK) % n:
-            return None
         a, b = make_mrs(M, NK, n, dtype, device)
         a_cat = torch.cat(a, dim=1)
         b_cat = torch.cat([x.t() for x in b], dim=1).t()  # [n*K, N], the same w.t() layout
@@ -300,8 +305,6 @@ def variants(kernel, M, NK, n, dim, dtype, device, lanes=None):
                "torch.mm": lambda: torch.mm(a_cat, b_cat)}
         split = lambda out: list(torch.chunk(out, n, dim))  # noqa: E731
         return a, b, fns, split, n * NK, NK
-    if (M if dim == 0 else NK) % n or NK % n:
-        return None
     a, b = make_agm(M, NK, n, dim, dtype, device)
     a_cat = torch.cat(a, dim=dim)
     b_cat = torch.cat([x.t() for x in b], dim=0).t()  # [K, N]
@@ -310,6 +313,11 @@ def variants(kernel, M, NK, n, dim, dtype, device, lanes=None):
            "torch.mm": lambda: torch.mm(a_cat, b_cat)}
     split = lambda out: list(torch.split(out, [bj.shape[1] for bj in b], dim=1))  # noqa: E731
     return a, b, fns, split, NK, NK
+
+
+def splits_evenly(kernel, M, NK, n, dim) -> bool:
+    """Whether the case's split dimension (and all_gather_matmul's N) divides by n: else it is skipped."""
+    return not ((M if dim == 0 else NK) % n or (kernel == "all_gather_matmul" and NK % n))
 
 
 def case_key(kernel, M, NK, n, dim, dtype) -> dict:
@@ -442,10 +450,14 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
     fused = (lambda cfg: matmul_reduce_scatter(a, b, dim=dim, config=cfg)) if kernel == "matmul_reduce_scatter" \
         else (lambda cfg: all_gather_matmul(a, b, dim=dim, config=cfg))
     launcher, lm, ln, lk = launcher_shape(kernel, M, NK, n, dim)
-    timed = []
+    timed, first_calls_s = [], 0.0
     for cfg in tune_candidates(lm, ln, dtype, smoke, launcher, _num_sms(device), tma=_has_tma(device, smoke)):
         try:
-            fused(cfg)                                       # compile
+            t0 = time.perf_counter()
+            try:
+                fused(cfg)                                   # compiles, unless the warm-up did (compile_warmup)
+            finally:
+                first_calls_s += time.perf_counter() - t0
             timed.append((bench(lambda cfg=cfg: fused(cfg), device, quick=True)[0], cfg))
         except Exception as e:  # noqa: BLE001 - a config the GPU cannot run (resources) is skipped, and counted
             row.setdefault("tune_skipped", []).append(f"{cfg}: {type(e).__name__}: {' '.join(str(e).split())[:120]}")
@@ -455,12 +467,34 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
     with timed_forms({"fused": lambda: fused(best)}, device, eager or row["timing"] != "graph") as (forms, timing):
         best_ms = bench(forms["fused"], device)[0]           # the winner, timed like the row's fused kernel
         out = {"launcher": launcher, "M": lm, "N": ln, "K": lk, "n": n, "config": dataclasses.asdict(best),
-               "ms": best_ms, "heuristic_ms": row["fused_ms"], "candidates": len(timed), "timing": timing}
+               "ms": best_ms, "heuristic_ms": row["fused_ms"], "candidates": len(timed), "timing": timing,
+               "first_calls_s": round(first_calls_s, 3)}
         if check:
             refs, mags = reference_f32(kernel, a, b, dim)
             out["check"] = "ok" if check_variant(kernel, "fused", forms["fused"](), refs, mags, dtype, device) <= 1.0 \
                 else "MISMATCH"
     return out
+
+
+def warmup_tasks(cases, dim, dtype, device, smoke: bool) -> list[compile_warmup.Task]:
+    """Every (case, candidate config) first call that --tune will make (compile_warmup)."""
+    tasks = []
+    for kernel, nk, n, M in cases:
+        if not splits_evenly(kernel, M, nk, n, dim):
+            continue
+        launcher, lm, ln, _ = launcher_shape(kernel, M, nk, n, dim)
+        for cfg in tune_candidates(lm, ln, dtype, smoke, launcher, _num_sms(device), tma=_has_tma(device, smoke)):
+            tasks.append(compile_warmup.task(kernel, M, nk, n, launcher, cfg))
+    return tasks
+
+
+def compile_workers(requested: int | None, device: torch.device) -> int:
+    """--compile-workers: as asked; by default, on a GPU, one per core but two (at most 14), none with a
+    core or two (the tuning then compiles each config itself); none on CPU (the interpreter compiles nothing)."""
+    if requested is not None:
+        return max(0, requested)
+    cores = os.cpu_count() or 1
+    return min(14, cores - 2) if device.type == "cuda" and cores > 3 else 0
 
 
 def tuned_table(paths, min_gain: float = 0.03) -> dict:
@@ -611,6 +645,9 @@ def main(argv=None) -> int:
                     help="the GPU's dense 16-bit peak TFLOP/s (default: PEAK_TFLOPS_16BIT by the device's name)")
     ap.add_argument("--eager", action="store_true",
                     help="time launches from Python on one stream, not CUDA-graph replays (host overhead included)")
+    ap.add_argument("--compile-workers", type=int,
+                    help="with --tune: first compile every candidate kernel in this many processes (compile_warmup; "
+                         "default: on a GPU, the cores less two, at most 14; 0: off)")
     ap.add_argument("--budget-s", type=float,
                     help="start no case after this many seconds (the rest are listed as not_run in --json)")
     args = ap.parse_args(argv)
@@ -665,6 +702,16 @@ def main(argv=None) -> int:
     cases = case_order(kernels, nks, ns, ms)
     lanes = [torch.cuda.Stream(device) for _ in range(max(ns))] if device.type == "cuda" else None
     rows, not_run, t0 = [], [], time.perf_counter()
+    warmup = None
+    if args.tune and (workers := compile_workers(args.compile_workers, device)):
+        # half the budget at most: a stuck pool must leave the tuning its time
+        warmup = compile_warmup.warm(warmup_tasks(cases, args.dim, dtype, device, args.smoke), workers, args.dim,
+                                     dtype, device, timeout_s=args.budget_s / 2 if args.budget_s is not None else 600)
+        print(f"compile warm-up: {warmup['tasks']} first calls ({warmup['units']} kernels' configs) on "
+              f"{warmup['workers']} processes in {warmup['s']:.1f} s"
+              + (f"; {len(warmup['failed'])} failed (the tuning records them): " + "; ".join(warmup["failed"][:3])
+                 if warmup["failed"] else "")
+              + (f"; ENDED EARLY: {warmup['error']}" if "error" in warmup else ""), flush=True)
     for i, (kernel, nk, n, M) in enumerate(cases):
         if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
             not_run = [case_key(k, m, x, y, args.dim, dtype) for k, x, y, m in cases[i:]]
@@ -700,9 +747,11 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if args.json:
-            write_results(args.json, {"machine": info, "args": vars(args), "rows": rows, "not_run": not_run})
+            write_results(args.json, {"machine": info, "args": vars(args), "compile_warmup": warmup, "rows": rows,
+                                       "not_run": not_run})
     if args.json:
-        write_results(args.json, {"machine": info, "args": vars(args), "rows": rows, "not_run": not_run})
+        write_results(args.json, {"machine": info, "args": vars(args), "compile_warmup": warmup, "rows": rows,
+                                  "not_run": not_run})
     print_table(rows, args.check)
     done = measured(rows)
     failed = [r for r in rows if "error" in r or "error" in (r.get("tuned") or {})]

@@ -120,15 +120,21 @@ def test_smoke_tune_then_table(tmp_path):
     pytest.importorskip("triton")
     out, table = tmp_path / "tune.json", tmp_path / "table.json"
     r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--smoke", "--kernel", "both",
-                        "--check", "--tune", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                        "--check", "--tune", "--compile-workers", "2", "--json", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    # the first calls made first in 2 processes (bench/compile_warmup.py): 2 M x (4 mm_sum + 3 gather_rows) configs
+    warm = doc["compile_warmup"]
+    assert (warm["workers"], warm["tasks"], warm["units"], warm["failed"]) == (2, 14, 7, []) and "error" not in warm
+    assert "compile warm-up: 14 first calls (7 kernels' configs) on 2 processes in " in r.stdout
     assert {row["kernel"] for row in rows} == {"matmul_reduce_scatter", "all_gather_matmul"}
     for row in rows:
         t = row["tuned"]
         mm_sum = row["kernel"] == "matmul_reduce_scatter"
         # every candidate ran (the interpreter runs TMA descriptors): 2 plain and 1 TMA, and for mm_sum 1 split-K
-        assert t["check"] == "ok" and t["candidates"] == (4 if mm_sum else 3) and t["ms"] > 0
+        assert t["check"] == "ok" and t["candidates"] == (4 if mm_sum else 3) and t["ms"] > 0 and t["first_calls_s"] > 0
         assert t["launcher"] == ("mm_sum" if mm_sum else "gather_rows") and "tune_skipped" not in row
         # the row says which config the fused kernel ran, and that the heuristic (not a tuned table) picked it
         N = 64 if mm_sum else 32                                    # all_gather_matmul: N / n per output
