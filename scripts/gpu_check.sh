@@ -36,6 +36,19 @@
 #   bash scripts/gpu_check.sh bench       # the pytest-benchmark report (bench/report.py) -> bench.json
 # Every stage passes further arguments on (to pytest, or to the report script).
 #
+# Several stages in one call, one after another, their arguments split at each lone '+':
+#   GPU_CHECK_CALL_S=540 bash scripts/gpu_check.sh tests+fused+tune          # (run's timeout_s 600)
+#   bash scripts/gpu_check.sh fused --nk 8192 + runtime --batches 1
+# One call saves what each further call costs: the gaps between calls while the session reads the
+# last one's results, which count as device time (and past 30 s idle the machine goes back, and the
+# next call starts a new one, 1 to 2 min), the transfers, the install. The stages share the call's
+# budget (GPU_CHECK_CALL_S, from the script's start): each gets what the ones before it left, and a
+# stage after the first starts only with GPU_CHECK_STAGE_MIN_S (60 s) left ("not started" in the
+# summary, and the call is red). A stage runs at most once a call. A stage that fails does not stop
+# the next: each stage's line in summary.txt says how it ended, and the exit status is 1 if any failed.
+# Where the stages leave more than 8 files, the logs are packed into logs.tar.gz (then, if need be, all
+# but summary.txt into all.tar.gz).
+#
 # A device session runs `tests` first (issue 15: correctness before numbers). With a green run and
 # minutes left, the next stage of issue 16 in the order above; later sessions go on from there.
 # The machine has python3 with torch, triton, safetensors, pytest, pytest-benchmark and no network
@@ -44,23 +57,50 @@
 # pytest-xdist the tests run on (cores - 2) workers, at most 14, each test file whole on one worker;
 # with pytest-timeout a test running past 300 s fails (its stacks in results.jsonl) and the rest go on.
 # At most 8 files come back from $OUT: machine.txt, summary.txt, <stage>.log, results.jsonl (tests
-# stages), and the stage's JSON (bench.json, fused.json, tune.json + tuned_configs.json, runtime.json,
-# serving.json, memory.json). GPU_CHECK_NO_INSTALL=1 skips the install (the CPU test of this script).
+# stages), and the stage's JSON (bench.json, fused.json + fusion_measured.json, tune.json +
+# tuned_configs.json, runtime.json, serving.json, memory.json); packed as above where a call's stages
+# leave more. GPU_CHECK_NO_INSTALL=1 skips the install (the CPU test of this script).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 CALL_S="${GPU_CHECK_CALL_S:-360}"
-stage="${1:-tests}"
-shift $(( $# > 0 ? 1 : 0 ))
-extra=("$@")                         # passed on to pytest (files, -k, -x, ...) or to the report script
+STAGE_MIN_S="${GPU_CHECK_STAGE_MIN_S:-60}"
 summary="$OUT/summary.txt"
-case "$stage" in
-  tests|cuda|plain|bench|fused|tune|runtime|serving|memory) ;;
-  *) echo "gpu_check.sh: unknown stage '$stage' (tests, cuda, plain, bench, fused, tune, runtime, serving, memory)" \
-       | tee -a "$summary"
-     exit 2 ;;
-esac
+STAGES="tests, cuda, plain, bench, fused, tune, runtime, serving, memory"
+# the call's stages: the arguments split at each lone '+' (and a first word 'a+b+c' into a, b, c, with
+# no arguments of their own); each stage's own arguments stored quoted, to be eval'ed
+[ $# -eq 0 ] && set -- tests
+if [ $# -eq 1 ] && [[ "$1" == *+* ]]; then
+  IFS='+' read -r -a words <<< "$1"
+  set -- "${words[0]}"
+  for w in "${words[@]:1}"; do set -- "$@" + "$w"; done
+fi
+names=() args=() cur=""
+for w in "$@"; do
+  if [ "$w" = "+" ]; then
+    names+=("${cur%% *}"); args+=("${cur#* }"); cur=""
+  elif [ -z "$cur" ]; then
+    cur="$w "
+  else
+    cur+="$(printf '%q ' "$w")"
+  fi
+done
+names+=("${cur%% *}"); args+=("${cur#* }")
+seen=" "
+for name in "${names[@]}"; do
+  case "$name" in
+    tests|cuda|plain|bench|fused|tune|runtime|serving|memory) ;;
+    *) echo "gpu_check.sh: unknown stage '$name' ($STAGES)" | tee -a "$summary"
+       exit 2 ;;
+  esac
+  if [[ "$seen" == *" $name "* ]]; then   # a second one would overwrite the first's files
+    echo "gpu_check.sh: stage '$name' twice in one call: one call runs a stage once (give it all its arguments)" \
+      | tee -a "$summary"
+    exit 2
+  fi
+  seen+="$name "
+done
 
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"
@@ -140,34 +180,63 @@ run_pytest() {  # name, marker expression or "": one pytest over the suite (or t
   [ "${PIPESTATUS[0]}" = 0 ] && [ $rc = 0 ]
 }
 
+run_one() {  # stage, its arguments...: one stage; non-zero when it failed
+  local stage="$1" rc=0
+  shift
+  extra=("$@")                       # passed on to pytest (files, -k, -x, ...) or to the report script
+  case "$stage" in
+    tests) run_pytest tests "" || rc=1 ;;
+    cuda) run_pytest cuda cuda || rc=1 ;;
+    plain) run_pytest plain "not cuda" || rc=1 ;;
+    bench)
+      run_stage bench "$(left 10)" python3 bench/report.py --suites examples,comm,kernels --out "$OUT/bench" \
+        "${extra[@]}" || rc=1
+      [ -f "$OUT/bench/results.json" ] && mv "$OUT/bench/results.json" "$OUT/bench.json"
+      [ -f "$OUT/bench/report.md" ] && cat "$OUT/bench/report.md" >> "$OUT/bench.log"
+      rm -rf "$OUT/bench" ;;
+    fused)   # --budget-s: no case starts after it; the last one may still run a minute
+      run_stage fused "$(left 20)" python3 bench/bench_fused_kernels.py --kernel both --check \
+        --budget-s "$(left 90)" --json "$OUT/fused.json" "${extra[@]}" || rc=1
+      python3 bench/bench_fused_kernels.py --threshold "$OUT/fused.json" --write-rule "$OUT/fusion_measured.json" \
+        >> "$OUT/fused.log" 2>&1 || rc=1 ;;
+    tune)    # the candidates compile first in (cores - 2) processes (bench/compile_warmup.py)
+      run_stage tune "$(left 20)" python3 bench/bench_fused_kernels.py --kernel both --tune --check --ms 1024,8192 \
+        --budget-s "$(left 120)" --json "$OUT/tune.json" "${extra[@]}" || rc=1
+      python3 bench/bench_fused_kernels.py --write-tuned "$OUT/tuned_configs.json" "$OUT/tune.json" \
+        >> "$OUT/tune.log" 2>&1 || rc=1 ;;
+    runtime)   # each bench script rewrites its JSON after every case or section: a cut-off run keeps them
+      run_stage runtime "$(left 10)" python3 bench/report_runtime.py --budget-s "$(left 40)" \
+        --json "$OUT/runtime.json" "${extra[@]}" || rc=1 ;;
+    serving)
+      run_stage serving "$(left 10)" python3 bench/report_serving.py --json "$OUT/serving.json" "${extra[@]}" || rc=1 ;;
+    memory)
+      run_stage memory "$(left 10)" python3 bench/report_memory.py --json "$OUT/memory.json" "${extra[@]}" || rc=1 ;;
+  esac
+  return $rc
+}
+
 rc=0
-case "$stage" in
-  tests) run_pytest tests "" || rc=1 ;;
-  cuda) run_pytest cuda cuda || rc=1 ;;
-  plain) run_pytest plain "not cuda" || rc=1 ;;
-  bench)
-    run_stage bench "$(left 10)" python3 bench/report.py --suites examples,comm,kernels --out "$OUT/bench" \
-      "${extra[@]}" || rc=1
-    [ -f "$OUT/bench/results.json" ] && mv "$OUT/bench/results.json" "$OUT/bench.json"
-    [ -f "$OUT/bench/report.md" ] && cat "$OUT/bench/report.md" >> "$OUT/bench.log"
-    rm -rf "$OUT/bench" ;;
-  fused)   # --budget-s: no case starts after it; the last one may still run a minute
-    run_stage fused "$(left 20)" python3 bench/bench_fused_kernels.py --kernel both --check \
-      --budget-s "$(left 90)" --json "$OUT/fused.json" "${extra[@]}" || rc=1
-    python3 bench/bench_fused_kernels.py --threshold "$OUT/fused.json" --write-rule "$OUT/fusion_measured.json" \
-      >> "$OUT/fused.log" 2>&1 || rc=1 ;;
-  tune)
-    run_stage tune "$(left 20)" python3 bench/bench_fused_kernels.py --kernel both --tune --check --ms 1024,8192 \
-      --budget-s "$(left 120)" --json "$OUT/tune.json" "${extra[@]}" || rc=1
-    python3 bench/bench_fused_kernels.py --write-tuned "$OUT/tuned_configs.json" "$OUT/tune.json" \
-      >> "$OUT/tune.log" 2>&1 || rc=1 ;;
-  runtime)   # each bench script rewrites its JSON after every case or section: a cut-off run keeps them
-    run_stage runtime "$(left 10)" python3 bench/report_runtime.py --budget-s "$(left 40)" \
-      --json "$OUT/runtime.json" "${extra[@]}" || rc=1 ;;
-  serving)
-    run_stage serving "$(left 10)" python3 bench/report_serving.py --json "$OUT/serving.json" "${extra[@]}" || rc=1 ;;
-  memory)
-    run_stage memory "$(left 10)" python3 bench/report_memory.py --json "$OUT/memory.json" "${extra[@]}" || rc=1 ;;
-esac
+for i in "${!names[@]}"; do
+  if [ "$i" -gt 0 ] && [ "$(left 0)" -lt "$STAGE_MIN_S" ]; then   # the first stage always runs
+    echo "${names[$i]}: not started: $(left 0) s of the call's $CALL_S s left, under GPU_CHECK_STAGE_MIN_S" \
+      "($STAGE_MIN_S s)" | tee -a "$summary"
+    rc=1
+    continue
+  fi
+  eval "run_one ${names[$i]} ${args[$i]}" || rc=1
+done
 [ $cuda_ok = 1 ] || rc=1
+
+# at most 8 files come back from $OUT: past that, the logs go into one archive, then all but the summary
+count() { find "$OUT" -type f | wc -l; }
+if [ "$(count)" -gt 8 ]; then
+  (cd "$OUT" && find . -maxdepth 1 -type f -name '*.log' -printf '%P\n' | sort | tar -czf logs.tar.gz -T - \
+    && find . -maxdepth 1 -type f -name '*.log' -delete)
+  echo "more than 8 files: the logs are in logs.tar.gz (tar -xzf)" | tee -a "$summary"
+fi
+if [ "$(count)" -gt 8 ]; then
+  (cd "$OUT" && find . -type f ! -name summary.txt ! -name all.tar.gz -printf '%P\n' | sort \
+    | tar -czf all.tar.gz -T - && find . -type f ! -name summary.txt ! -name all.tar.gz -delete)
+  echo "still more than 8 files: all but summary.txt are in all.tar.gz (tar -xzf)" | tee -a "$summary"
+fi
 exit $rc

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -246,3 +247,56 @@ def test_gpu_check_refuses_an_unknown_stage(tmp_path):
     assert proc.returncode == 2
     assert proc.stdout.strip() == ("gpu_check.sh: unknown stage 'everything' (tests, cuda, plain, bench, fused, "
                                    "tune, runtime, serving, memory)")
+
+
+def _gpu_check(tmp_path, *args, **env):
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], cwd=ROOT,
+                          env=dict(os.environ, OUT=str(tmp_path), GPU_CHECK_NO_INSTALL="1", **env),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_gpu_check_runs_several_stages_in_one_call_and_packs_past_eight_files(tmp_path):
+    """tests + fused + tune in one call (on CPU: a test file and the smoke runs): each stage's line, and
+    their 10 files brought to 8 (what the device tool returns) by packing the logs."""
+    import tarfile
+
+    proc = _gpu_check(tmp_path, "tests", "tests/test_compile_warmup.py", "-k", "split", "+", "fused", "--smoke",
+                      "+", "tune", "--smoke")
+    assert proc.returncode == 1, proc.stdout + proc.stderr                # red: no CUDA here
+    summary = (tmp_path / "summary.txt").read_text()
+    for stage, wrote in (("tests", "1 passed"), ("fused", f"wrote {tmp_path}/fused.json"),
+                         ("tune", f"wrote {tmp_path}/tune.json")):
+        assert re.search(rf"^{stage}: rc=0 in \d+ s of \d+ \({re.escape(wrote)}", summary, re.M), summary
+    assert "more than 8 files: the logs are in logs.tar.gz (tar -xzf)" in summary
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "fused.json", "fusion_measured.json", "logs.tar.gz", "machine.txt", "results.jsonl", "summary.txt",
+        "tune.json", "tuned_configs.json"]
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["fused.log", "tests.log", "tune.log"]
+        assert b"1 passed" in tar.extractfile("tests.log").read()
+    assert json.loads((tmp_path / "tune.json").read_text())["args"]["tune"] is True
+    assert {r["nodeid"] for r in _lines(tmp_path / "results.jsonl") if "nodeid" in r} == {
+        "tests/test_compile_warmup.py::test_split_keeps_each_unit_in_one_chunk_and_balances_them"}
+
+
+def test_gpu_check_starts_no_stage_past_the_calls_budget(tmp_path):
+    """A stage after the first starts only with GPU_CHECK_STAGE_MIN_S of the call's budget left."""
+    proc = _gpu_check(tmp_path, "fused", "--smoke", "+", "tune", "--smoke", GPU_CHECK_CALL_S="600",
+                      GPU_CHECK_STAGE_MIN_S="600")
+    assert proc.returncode == 1
+    summary = (tmp_path / "summary.txt").read_text()
+    assert re.search(r"^fused: rc=0 in ", summary, re.M)
+    assert re.search(r"^tune: not started: \d+ s of the call's 600 s left, under GPU_CHECK_STAGE_MIN_S \(600 s\)$",
+                     summary, re.M), summary
+    assert (tmp_path / "fused.json").exists() and not (tmp_path / "tune.json").exists()
+
+
+@pytest.mark.parametrize("stages, message", [
+    ("tests+everything", "unknown stage 'everything' (tests, cuda, plain, bench, fused, tune, runtime, serving, "
+                         "memory)"),
+    ("fused+fused", "stage 'fused' twice in one call: one call runs a stage once (give it all its arguments)"),
+    ("tests++fused", "unknown stage '' (tests, cuda, plain, bench, fused, tune, runtime, serving, memory)")])
+def test_gpu_check_refuses_a_bad_chain_before_any_stage(tmp_path, stages, message):
+    proc = _gpu_check(tmp_path, stages)
+    assert proc.returncode == 2 and proc.stdout.strip() == f"gpu_check.sh: {message}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.txt"]
