@@ -74,7 +74,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -97,6 +96,8 @@ from fastpipe.kernels.fusion_rule import (  # noqa: E402
     KERNEL_REVISIONS, dump_table, fused_wins, gpu_name, newest_rows, row_revision, rows_of, stale_revisions,
     table_from_rows)
 from fastpipe.kernels import mm_sum_tma, pick_config, tuned  # noqa: E402
+from fastpipe.kernels.autotune import split_k_candidates, tma_candidates, tune_candidates  # noqa: E402,F401
+from fastpipe.runtime.kernel_timing import replay_ms  # noqa: E402
 from fastpipe.kernels.mm_reduce_scatter_kernel import _num_sms  # noqa: E402
 from tests.tensor_compare import error_ratio  # noqa: E402
 
@@ -379,40 +380,6 @@ def launcher_shape(kernel: str, M: int, NK: int, n: int, dim: int) -> tuple[str,
     return ("gather_rows", M, NK // n, NK) if dim == 0 else ("mm_sum", M, NK // n, NK // n)
 
 
-def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: str = "mm_sum",
-                    sms: int = 132, tma: bool = False) -> list[KernelConfig]:
-    """The configs --tune times: block_m around M's power of two (16..128), block_n 64/128/256 (not
-    past N), block_k 64/128, (4 warps, 4 stages) or (8 warps, 3 stages); at most ~200 KiB of shared
-    memory (an H100 has 227 KiB a block) and at most 128 fp32 accumulators a thread (128x256 on 4
-    warps needs 256 and spills kilobytes of registers on sm_90: scripts/compile_kernels.py
-    --tune-candidates). For the mm_sum launcher, also split-K (``split_k_candidates``) where a
-    config's tiles would leave most of the GPU's ``sms`` SMs idle; with ``tma`` (a GPU of compute
-    capability 9.0 or newer), for both launchers, the persistent TMA kernel (``tma_candidates``).
-    --smoke: interpreter-sized ones (for mm_sum one split-K; with ``tma`` one TMA)."""
-    if smoke:
-        tiny = KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1)
-        small = [tiny, dataclasses.replace(tiny, block_m=32, block_n=32, block_k=32)]
-        split = [dataclasses.replace(tiny, split_k=2)] if launcher == "mm_sum" else []
-        return small + split + ([dataclasses.replace(tiny, tma=True)] if tma else [])
-    p = 16
-    while p < M and p < 128:
-        p *= 2
-    bms = sorted({max(16, p // 2), p, min(128, p * 2)})
-    elt = torch.finfo(dtype).bits // 8
-    out = []
-    for bm in bms:
-        for bn in (64, 128, 256):
-            if bn > max(64, N):
-                continue
-            for bk in (64, 128):
-                for warps, stages in ((4, 4), (8, 3)):
-                    if stages * (bm * bk + bk * bn) * elt > 200 * 1024 or bm * bn > 128 * 32 * warps:
-                        continue
-                    out.append(KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages))
-    split = split_k_candidates(M, N, out, sms) if launcher == "mm_sum" else []
-    return out + split + (tma_candidates(out) if tma else [])
-
-
 def _has_tma(device: torch.device, smoke: bool) -> bool:
     """Whether --tune times the TMA kernel: on a GPU that has TMA (compute capability 9.0 or newer), and
     in --smoke runs, whose interpreter runs it on CPU tensors."""
@@ -421,29 +388,9 @@ def _has_tma(device: torch.device, smoke: bool) -> bool:
     return mm_sum_tma.device_problem(device) is None
 
 
-def tma_candidates(configs: list[KernelConfig]) -> list[KernelConfig]:
-    """The persistent TMA kernels (``fastpipe.kernels.mm_sum_tma``, ``gather_rows_tma``) with the tiles of
-    those configs that have at least 64 rows and 8 warps and 3 stages: Hopper's warpgroup MMA takes 64 rows
-    at a time, and TMA loads need no registers, so the deeper 4-warp pipelines add little but compile time."""
-    return [dataclasses.replace(c, tma=True) for c in configs
-            if c.block_m >= 64 and (c.num_warps, c.num_stages) == (8, 3)]
-
-
-def split_k_candidates(M: int, N: int, configs: list[KernelConfig], sms: int) -> list[KernelConfig]:
-    """Split-K versions of those block_k 64 configs whose M x N output has at most half as many tiles as
-    the GPU has SMs: split_k the power of two (2..16) that brings tiles x split_k nearest to ``sms``."""
-    out = []
-    for c in configs:
-        tiles = -(-M // c.block_m) * -(-N // c.block_n)
-        if c.block_k != 64 or 2 * tiles > sms:
-            continue
-        sk = min((2 ** e for e in range(1, 5)), key=lambda k: abs(math.log2(tiles * k / sms)))
-        out.append(dataclasses.replace(c, split_k=sk))
-    return out
-
-
 def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smoke: bool, eager: bool = False) -> dict:
-    """Time the fused kernel under every candidate config (short eager runs, to rank them); the fastest,
+    """Time the fused kernel under every candidate config (short runs of a replayed CUDA graph, as the
+    runtime runs it, to rank them: fastpipe.kernels.autotune.replay_ms; eager runs with --eager); the fastest,
     timed as the row's fused kernel was (a graph replay unless eager) and checked, vs the heuristic's time."""
     made = variants(kernel, M, NK, n, dim, dtype, device)
     a, b, _, _, _, _ = made
@@ -451,6 +398,8 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
         else (lambda cfg: all_gather_matmul(a, b, dim=dim, config=cfg))
     launcher, lm, ln, lk = launcher_shape(kernel, M, NK, n, dim)
     timed, first_calls_s = [], 0.0
+    rank = (lambda fn: bench(fn, device, quick=True)[0]) if eager or device.type != "cuda" else \
+        (lambda fn: replay_ms(fn, device, quick=True)[0])
     for cfg in tune_candidates(lm, ln, dtype, smoke, launcher, _num_sms(device), tma=_has_tma(device, smoke)):
         try:
             t0 = time.perf_counter()
@@ -458,7 +407,7 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
                 fused(cfg)                                   # compiles, unless the warm-up did (compile_warmup)
             finally:
                 first_calls_s += time.perf_counter() - t0
-            timed.append((bench(lambda cfg=cfg: fused(cfg), device, quick=True)[0], cfg))
+            timed.append((rank(lambda cfg=cfg: fused(cfg)), cfg))
         except Exception as e:  # noqa: BLE001 - a config the GPU cannot run (resources) is skipped, and counted
             row.setdefault("tune_skipped", []).append(f"{cfg}: {type(e).__name__}: {' '.join(str(e).split())[:120]}")
     if not timed:

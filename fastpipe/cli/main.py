@@ -4,7 +4,8 @@ Exit status: 0 success; 2 anything given is invalid (pipeline, param files,
 payloads, inputs, options); 1 a valid run failed or --check found a mismatch.
 Errors print as one line (`fastpipe: error: ...`); --verbose adds the traceback.
 The commands live in fastpipe.cli.show (validate, show), fastpipe.cli.run, fastpipe.cli.dist
-(multi-process runs), fastpipe.cli.build (also --serve: a serving set) and fastpipe.cli.generate.
+(multi-process runs), fastpipe.cli.build (also --serve: a serving set), fastpipe.cli.generate and
+fastpipe.cli.tune.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import argparse
 import sys
 import traceback
 
-from fastpipe.cli import build, generate, run, show
+from fastpipe.cli import build, generate, run, show, tune
 from fastpipe.cli.common import EXIT_FAILED
 from fastpipe.errors import FastpipeError, InputError
 
@@ -81,6 +82,19 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--slot-ranks", metavar="MAP", help="slot -> rank, e.g. 0=0,1=0,2=1,3=1 (default: contiguous blocks)")
     r.add_argument("--dist-timeout", type=float, default=120.0, metavar="S",
                    help="seconds any collective may wait before the run fails (default 120)")
+    t = sub.add_parser("tune", help="measure the fused kernels' launch configs for this pipeline's shapes on this GPU",
+                       description="Run the pipeline once with every fusable group fused (seeded random inputs), "
+                                   "time each distinct fused-kernel call under the candidate launch configs and the "
+                                   "heuristic's (replayed CUDA graphs), and write the configs that beat the heuristic "
+                                   "to the table pick_config reads (FASTPIPE_TUNED_CONFIGS), merged with what it held.")
+    common(t)
+    t.add_argument("--out", metavar="FILE",
+                   help="the tuned-config table to write, merged with its entries if it exists (default: "
+                        "$FASTPIPE_TUNED_CONFIGS); point FASTPIPE_TUNED_CONFIGS at it for pick_config to read it")
+    t.add_argument("--device-map", metavar="MAP", help="slot placement, e.g. 0=cuda:0,1=cuda:0")
+    t.add_argument("--seed", type=int, default=0, help="seed for the random inputs of the recording run (default 0)")
+    t.add_argument("--min-gain", type=float, default=0.03,
+                   help="keep a config only where it beat the heuristic's by more than this (default 0.03: 3%%)")
     b = sub.add_parser("build", help="split a local Hugging Face checkpoint folder into a tp x pp pipeline, or "
                                      "(--serve) into the serving set that `fastpipe generate` runs",
                        description="Without --serve: one pipeline (OUT/pipeline.json) of the given shapes. With --max-len "
@@ -150,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"validate": show.cmd_validate, "show": show.cmd_show, "run": run.cmd_run, "build": build.cmd_build,
-            "generate": generate.cmd_generate}
+            "generate": generate.cmd_generate, "tune": tune.cmd_tune}
 
 
 def main(argv: list[str] | None = None) -> int:

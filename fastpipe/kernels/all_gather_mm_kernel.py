@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fastpipe.kernels import gather_rows_tma
+from fastpipe.kernels import calls, gather_rows_tma
 from fastpipe.kernels.mm_reduce_scatter_kernel import (
     KernelConfig,
     _input_precision,
@@ -244,6 +244,7 @@ def all_gather_matmul(a: Sequence[Tensor], b: Sequence[Tensor], dim: int = 0, *,
     dim, M, K, ns = _check_operands(what, a, b, dim, same_device=True)
     device = a[0].device
     _require_launchable(what, device)
+    calls.note(what, a, b, dim)
     outs = [torch.empty(M, nj, dtype=bj.dtype, device=device) for bj, nj in zip(b, ns)]
     if dim == 0:
         launch_gather_rows(a, b, outs, config)

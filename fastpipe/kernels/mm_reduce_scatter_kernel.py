@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from fastpipe.errors import RunError
-from fastpipe.kernels import mm_sum_tma
+from fastpipe.kernels import calls, mm_sum_tma
 from fastpipe.kernels.fusion_rule import gpu_name
 from fastpipe.kernels.launch_config import KernelConfig
 from fastpipe.kernels.tuned import lookup
@@ -250,14 +250,15 @@ def _pow2_clamp(x: int, lo: int, hi: int) -> int:
 
 
 def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str = "cuda", *,
-                launcher: str = "mm_sum", n: int = 1) -> KernelConfig:
+                launcher: str = "mm_sum", n: int = 1, use_tuned: bool = True) -> KernelConfig:
     """Block sizes for an [M, K] x [K, N] sum of products (K = the longest participant's K; n
     participants; launcher: the kernel, "mm_sum" or "gather_rows"). A gather_rows launch computes
     n such outputs at once (N: the widest one), so its grid has n times the tiles of one.
 
     On a GPU, a config measured for this GPU, dtype, N, K and n comes first
     (fastpipe.kernels.tuned: the table ``bench/bench_fused_kernels.py --tune`` and
-    ``--write-tuned`` produce). Otherwise the rule (a starting point for Hopper):
+    ``--write-tuned`` produce, or ``fastpipe tune`` for a pipeline's own shapes; ``use_tuned=False``
+    skips it). Otherwise the rule (a starting point for Hopper):
 
     * Interpreter / CPU tensors: tiles of 16 or 32 in every dimension -- the interpreter
       runs every program in numpy, and small tiles keep the irregular-shape tests fast.
@@ -282,7 +283,7 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
         bn = 16 if N <= 16 else 32
         bk = 16 if K <= 16 else 32
         return KernelConfig(bm, bn, bk, group_m=4, num_warps=4, num_stages=1)
-    tuned = lookup(launcher, M, N, K, n, dtype, _device_name(device))
+    tuned = lookup(launcher, M, N, K, n, dtype, _device_name(device)) if use_tuned else None
     if tuned is not None:
         return tuned
     sms = _num_sms(device)
@@ -434,6 +435,7 @@ def matmul_reduce_scatter(a: Sequence[Tensor], b: Sequence[Tensor], dim: int = 0
     _check_divisible(M if dim == 0 else N, n, dim, what)
     device = a[0].device
     _require_launchable(what, device)
+    calls.note(what, a, b, dim, op)
     scale = (1.0 / n) if op == "avg" else None
     if dim == 0:  # row chunks of a row-major [M, N] buffer: a plain [M, N] store
         buf = torch.empty(n, M // n, N, dtype=dtype, device=device)

@@ -1,6 +1,7 @@
 """Launch configurations measured per GPU and shape, consulted before the heuristic (pick_config).
 
-A table is JSON written by ``bench/bench_fused_kernels.py --write-tuned`` from a ``--tune`` run::
+A table is JSON written by ``bench/bench_fused_kernels.py --write-tuned`` from a ``--tune`` run (issue
+16's grid), or by ``fastpipe tune`` for a pipeline's own shapes (fastpipe.kernels.autotune)::
 
     {"format": 1, "entries": [{"launcher": "mm_sum", "device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16",
                                "M": 1024, "N": 4096, "K": 4096, "n": 2,

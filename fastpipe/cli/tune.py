@@ -1,0 +1,95 @@
+"""`fastpipe tune`: launch configs for this pipeline's fused-kernel calls, measured on this GPU.
+
+Loads the pipeline with every fusable group fused (fuse="always", eager, no CUDA graph), runs it once on
+seeded random inputs while recording the fused-kernel calls (fastpipe.kernels.calls), tunes each
+distinct call (fastpipe.kernels.autotune.tune) and writes the table pick_config reads
+(fastpipe.kernels.tuned) to --out, merged with what that file held (or, for a new file, with the table
+in use now). Exit 0 when every call was tuned, 1 when one could not be (the others are written), 2 on bad
+input (no GPU, an unreadable --out table, a pipeline with nothing to fuse is not an error: nothing is
+written).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from fastpipe.cli.common import EXIT_FAILED, check_writable, device_map_of, load_options
+from fastpipe.errors import InputError
+
+
+def cmd_tune(args) -> int:
+    import torch
+
+    from fastpipe.atomic import write_text
+    from fastpipe.format import read_pipeline
+    from fastpipe.kernels import autotune, calls, tuned
+    from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting
+    from fastpipe.options import RunOptions
+    from fastpipe.random_inputs import random_inputs
+    from fastpipe.runtime import kernel_timing
+    from fastpipe.session import Session
+
+    out = args.out or os.environ.get("FASTPIPE_TUNED_CONFIGS")
+    if not out:
+        raise InputError("--out: expected the file to write the tuned configs to (or FASTPIPE_TUNED_CONFIGS set), "
+                         "found neither")
+    if not 0 <= args.min_gain < 1:
+        raise InputError(f"--min-gain: expected 0 <= gain < 1 (0.03: 3% faster than the heuristic), "
+                         f"found {args.min_gain}")
+    check_writable(out, "--out")
+    base = _base_table(Path(out), tuned.table_path())
+    if not torch.cuda.is_available() and not interpreting():
+        raise InputError("fastpipe tune: expected a CUDA GPU (launch configs are measured per GPU model), found none")
+    p = read_pipeline(args.pipeline)
+    sess = Session(p, device_map=device_map_of(args), load_options=load_options(args),
+                   run_options=RunOptions(processor="auto", fuse="always", cuda_graph=False))
+    try:
+        if not any(d.fused for d in sess.fusion):
+            for d in sess.fusion:
+                print("fusion: " + d.line())
+            print(f"{p.name}: nothing to tune: no group fuses ({len(sess.fusion)} candidate groups); wrote nothing")
+            return 0
+        with calls.recording() as made:
+            sess.run(random_inputs(p, args.seed))
+    finally:
+        sess.close()
+    print(f"{p.name}: {len(made)} distinct fused-kernel calls" + (" (Triton interpreter: timings meaningless)"
+                                                                  if interpreting() else ""))
+    results, failed = [], 0
+    for call in made:
+        try:
+            r = autotune.tune(call, kernel_timing.time_config)
+        except ValueError as e:
+            failed += 1
+            print(f"  not tuned: {call.kernel} dim {call.dim}: {e}")
+            continue
+        results.append(r)
+        print(f"  {r.line(args.min_gain)}")
+        for s in r.skipped:
+            print(f"    could not run: {s}")
+    doc, kept = autotune.merged_table(base, results, args.min_gain)
+    write_text(out, json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}: {kept} of {len(results)} tuned calls beat the heuristic by more than {args.min_gain:.0%}; "
+          f"{len(doc['entries'])} entries in all")
+    if tuned.table_path().resolve() != Path(out).resolve():
+        print(f"pick_config reads it where FASTPIPE_TUNED_CONFIGS={out}")
+    return EXIT_FAILED if failed else 0
+
+
+def _base_table(out: Path, in_use: Path) -> dict | None:
+    """What the new table starts from: --out's own entries where it exists (refused if it is not a valid table:
+    it is not overwritten), else the table in use now (the packaged one or $FASTPIPE_TUNED_CONFIGS), if any."""
+    from fastpipe.kernels.tuned import parse_table
+
+    path = out if out.exists() else in_use
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        parse_table(doc, str(path))
+    except (OSError, ValueError) as e:
+        what = "--out" if path == out else "the tuned-config table in use"
+        raise InputError(f"{what}: expected a tuned-config table (fastpipe.kernels.tuned) to merge into, found "
+                         f"{' '.join(str(e).split())[:300]}") from None
+    return doc

@@ -1,0 +1,100 @@
+"""The fused-kernel calls a run makes, recorded to be tuned (``fastpipe tune``, fastpipe.kernels.autotune).
+
+    with recording() as calls:
+        session.run(inputs)          # every matmul_reduce_scatter / all_gather_matmul call lands in calls
+    calls[0].launch()                # ("mm_sum", M, N, K, n): what pick_config and the tuned table see
+
+A KernelCall keeps what decides a launch config and the kernel's specialization: the function, dim,
+op, dtype and every operand's shape and strides (a weight read as ``w.t()`` keeps its column-major
+strides), not the data. ``operands`` makes fresh random tensors of those shapes and strides.
+Recording costs one check of a global per call when off; it is on only inside ``recording()``,
+for every thread (the processors may issue steps from several).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+_lock = threading.Lock()
+_recorders: list[list] = []
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    kernel: str                  # "matmul_reduce_scatter" | "all_gather_matmul"
+    dim: int                     # 0 or 1 (normalized)
+    op: str                      # "sum" | "avg" (matmul_reduce_scatter); "" (all_gather_matmul)
+    dtype: str                   # "bfloat16", ...
+    a: tuple                     # ((shape, strides), ...) per participant
+    b: tuple
+    device: str                  # where it ran: "cuda:0", ...
+
+    def launch(self) -> tuple[str, int, int, int, int]:
+        """(launcher, M, N, K, n) as pick_config sees this call's launch; ValueError where one config
+        serves launches of different shapes (all_gather_matmul dim 1 with outputs of different widths)."""
+        n = len(self.a)
+        kmax = max(s[1] for s, _ in self.a)
+        widths = {s[1] for s, _ in self.b}
+        if self.kernel == "matmul_reduce_scatter":
+            return "mm_sum", self.a[0][0][0], self.b[0][0][1], kmax, n
+        if self.dim == 0:       # one launch for the n outputs: the widest one's [M, N] and n
+            return "gather_rows", n * self.a[0][0][0], max(widths), self.a[0][0][1], n
+        if len(widths) > 1:
+            raise ValueError(f"its {n} outputs have different widths ({sorted(widths)}): one launch each, "
+                             "of different shapes")
+        return "mm_sum", self.a[0][0][0], widths.pop(), kmax, n
+
+    def operands(self, seed: int = 0) -> tuple[list, list]:
+        """Fresh random a and b of the recorded shapes and strides on the call's device (contiguous where
+        strides overlap)."""
+        device = torch.device(self.device)
+        g = torch.Generator(device=device).manual_seed(seed)
+        dtype = getattr(torch, self.dtype)
+
+        def make(shape, stride, scale):
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=device) if 0 not in stride \
+                else torch.empty(shape, dtype=dtype, device=device)
+            return t.copy_(torch.randn(shape, generator=g, device=device, dtype=dtype) * scale)
+
+        k = max(s[1] for s, _ in self.a)        # every a[i] is [rows, K_i] (dim 0 gathers: all K)
+        return [make(s, st, 1.0) for s, st in self.a], [make(s, st, k ** -0.5) for s, st in self.b]
+
+    def run(self, a, b, config=None):
+        from fastpipe.kernels import all_gather_matmul, matmul_reduce_scatter
+
+        if self.kernel == "matmul_reduce_scatter":
+            return matmul_reduce_scatter(a, b, dim=self.dim, op=self.op, config=config)
+        return all_gather_matmul(a, b, dim=self.dim, config=config)
+
+    def text(self) -> str:
+        launcher, M, N, K, n = self.launch()
+        return f"{self.kernel} dim {self.dim} ({launcher} M={M} N={N} K={K} n={n} {self.dtype})"
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the distinct KernelCalls made (by any thread) until the block ends, in first-call order."""
+    calls: list[KernelCall] = []
+    with _lock:
+        _recorders.append(calls)
+    try:
+        yield calls
+    finally:
+        with _lock:
+            _recorders.remove(calls)
+
+
+def note(kernel: str, a, b, dim: int, op: str = "") -> None:
+    """Called by the public kernel functions after checking their operands (a no-op unless recording)."""
+    if not _recorders:
+        return
+    call = KernelCall(kernel, dim, op, str(a[0].dtype).replace("torch.", ""),
+                      tuple((tuple(x.shape), tuple(x.stride())) for x in a),
+                      tuple((tuple(x.shape), tuple(x.stride())) for x in b), str(a[0].device))
+    with _lock:
+        for calls in _recorders:
+            if call not in calls:
+                calls.append(call)

@@ -1,0 +1,46 @@
+"""Timing a kernel call as the runtime runs it: a replayed CUDA graph (``fastpipe tune``, the fused-kernel
+bench's --tune). Here, not in fastpipe.kernels, because it captures through fastpipe.runtime.cuda_capture."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def replay_ms(fn, device: torch.device, quick: bool) -> tuple[float, str]:
+    """fn's median time (ms) as a replayed CUDA graph (triton's do_bench, L2 flushed between runs;
+    quick: a short run), or eagerly where the capture fails (the second value says why); on CPU, the
+    median of 3 eager runs."""
+    if device.type != "cuda":
+        ts = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(ts), "eager (CPU)"
+    from triton.testing import do_bench
+
+    from fastpipe.runtime.cuda_capture import capture
+
+    side = torch.cuda.Stream(device)              # the first run outside the capture (Triton compiles)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    warmup, rep = (5, 20) if quick else (25, 100)
+    try:
+        graph, _ = capture(fn, device)
+    except Exception as e:  # noqa: BLE001 - said in the result, never silent
+        torch.cuda.synchronize(device)
+        return do_bench(fn, warmup=warmup, rep=rep), f"eager: capture failed: {type(e).__name__}: {e}"[:200]
+    try:
+        return do_bench(graph.replay, warmup=warmup, rep=rep), "graph"
+    finally:
+        graph.reset()
+
+
+def time_config(config, fn, device: torch.device, quick: bool) -> tuple[float, str]:
+    """fastpipe.kernels.autotune.tune's timer: fn (the call under ``config``) timed by ``replay_ms``."""
+    return replay_ms(fn, device, quick)

@@ -1,0 +1,231 @@
+"""`fastpipe tune` and what it is made of: the recorded fused-kernel calls (fastpipe.kernels.calls), their
+tuning and the merged table (fastpipe.kernels.autotune), and the command end to end. On CPU the kernels
+run under the Triton interpreter with a fake timer (times per config, so the choice is known); on a GPU
+the cuda test tunes for real."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+import pytest
+import torch
+
+from fastpipe.cli import main
+from fastpipe.kernels import KernelConfig, all_gather_matmul, autotune, calls, matmul_reduce_scatter, tuned
+from fastpipe.runtime import kernel_timing
+from tests.examples import GRAPHS
+from tests.test_fusion import needs_cpu_kernels
+
+CUDA = torch.cuda.is_available()
+SEQ = GRAPHS / "seq_parallel" / "pipeline.json"
+
+
+def _mrs(M=16, K=32, N=32, n=2, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(M, K, generator=g, dtype=dtype) for _ in range(n)], \
+        [torch.randn(N, K, generator=g, dtype=dtype).t() for _ in range(n)]        # w.t(): column-major
+
+
+def test_recording_keeps_each_distinct_call_with_its_strides_from_every_thread():
+    needs_cpu_kernels()
+    a, b = _mrs()
+    matmul_reduce_scatter(a, b)                                     # not recording: nothing kept anywhere
+    with calls.recording() as made:
+        matmul_reduce_scatter(a, b)
+        matmul_reduce_scatter(a, b)                                 # the same call: once
+        t = threading.Thread(target=lambda: matmul_reduce_scatter(a, b, dim=1, op="avg"))
+        t.start()
+        t.join()
+        all_gather_matmul([x[:8] for x in a], b, dim=0)
+    assert [(c.kernel, c.dim, c.op) for c in made] == [("matmul_reduce_scatter", 0, "sum"),
+                                                       ("matmul_reduce_scatter", 1, "avg"), ("all_gather_matmul", 0, "")]
+    first = made[0]
+    assert first.a == (((16, 32), (32, 1)),) * 2 and first.b == (((32, 32), (1, 32)),) * 2
+    assert (first.dtype, first.device) == ("float32", "cpu")
+    assert first.launch() == ("mm_sum", 16, 32, 32, 2)
+    assert made[2].launch() == ("gather_rows", 16, 32, 32, 2)       # the gathered rows: n x 8
+    ga, gb = made[2].operands(seed=1)
+    assert [(tuple(x.shape), x.stride()) for x in ga] == [((8, 32), (32, 1))] * 2
+    assert [(tuple(x.shape), x.stride()) for x in gb] == [((32, 32), (1, 32))] * 2
+    assert not calls._recorders
+
+
+def test_a_call_with_outputs_of_different_widths_is_not_tuned():
+    call = calls.KernelCall("all_gather_matmul", 1, "", "bfloat16", (((16, 8), (8, 1)),) * 2,
+                            (((16, 32), (32, 1)), ((16, 64), (64, 1))), "cpu")
+    with pytest.raises(ValueError, match=r"^its 2 outputs have different widths \(\[32, 64\]\): one launch each"):
+        call.launch()
+
+
+def _timer(times):
+    """A fake timer: each config's time from ``times`` (by its text; 10 ms for the others); the call still runs."""
+    def timer(config, fn, device, quick):
+        fn()
+        return times.get(config.text(), 10.0), "fake"
+    return timer
+
+
+def _recorded_mrs():
+    a, b = _mrs()
+    with calls.recording() as made:
+        matmul_reduce_scatter(a, b)
+    return made[0]
+
+
+def test_tune_picks_the_fastest_config_and_keeps_it_only_beyond_the_gain():
+    needs_cpu_kernels()
+    call = _recorded_mrs()
+    heuristic = KernelConfig(16, 32, 32, group_m=4, num_warps=4, num_stages=1)      # pick_config's, interpreted
+    fast = KernelConfig(16, 16, 16, group_m=4, num_stages=1)
+    r = autotune.tune(call, _timer({heuristic.text(): 2.0, fast.text(): 1.0}),
+                      configs=[fast, dataclasses.replace(fast, block_k=32)])
+    assert (r.best, r.heuristic, r.ms, r.heuristic_ms, r.candidates, r.check) == (fast, heuristic, 1.0, 2.0, 3, True)
+    assert r.kept() and r.gain() == 2.0 and r.line().endswith("(2.00x, 3 configs, fake): kept")
+    assert not r.kept(min_gain=0.6)                                             # 2x is a gain of 50%
+    r = autotune.tune(call, _timer({heuristic.text(): 1.0, fast.text(): 1.0}), configs=[fast])
+    assert r.best == heuristic and not r.kept() and r.line().endswith("the heuristic's config is the fastest")
+    r = autotune.tune(call, _timer({heuristic.text(): 1.0, fast.text(): 0.99}), configs=[fast])
+    assert r.best == fast and not r.kept() and r.line().endswith("within 3%: the heuristic stays")
+
+
+def test_a_config_that_cannot_run_is_skipped_with_its_error():
+    needs_cpu_kernels()
+    a, b = _mrs()
+    with calls.recording() as made:
+        all_gather_matmul([x[:8] for x in a], b, dim=0)
+    split = KernelConfig(16, 16, 16, split_k=2)                               # gather_rows refuses split-K
+    r = autotune.tune(made[0], _timer({}), configs=[split])
+    assert r.candidates == 1 and r.skipped == [
+        "16x16x16 w4 s3 k2: ValueError: all_gather_matmul: config.split_k: expected 1 (dim 0 writes each tile "
+        "once; split-K is the mm_sum launcher's: matmul_reduce_scatter, all_gather_matmul dim 1), found 2"]
+
+
+def test_outputs_agree_within_two_roundings():
+    w = torch.linspace(-3, 3, 64).to(torch.bfloat16)
+    eps = torch.finfo(torch.bfloat16).eps
+    assert autotune._same_outputs([w], [w.clone()], torch.bfloat16, 64)
+    one_ulp = (w.float() * (1 + eps)).to(torch.bfloat16)
+    assert autotune._same_outputs([one_ulp], [w], torch.bfloat16, 64)
+    assert not autotune._same_outputs([w.float() * (1 + 8 * eps) + 0.5], [w], torch.bfloat16, 64)
+    # float32: the order of the additions is all that differs
+    needs_cpu_kernels()
+    a, b = _mrs(M=64, K=512)
+    tiles = [matmul_reduce_scatter(a, b, config=KernelConfig(16, 16, bk, group_m=4, num_stages=1)) for bk in (16, 32)]
+    assert autotune._same_outputs(tiles[0], tiles[1], torch.float32, 1024)
+    assert not autotune._same_outputs([tiles[0][0] * 1.01], tiles[1][:1], torch.float32, 1024)
+
+
+def test_replay_ms_on_cpu_times_three_eager_runs():
+    ran = []
+    ms, timing = kernel_timing.replay_ms(lambda: ran.append(1), torch.device("cpu"), quick=True)
+    assert len(ran) == 3 and ms >= 0 and timing == "eager (CPU)"
+
+
+def _result(M, ms, heuristic_ms, best=KernelConfig(64, 128, 64), check=True, device="GPU X"):
+    call = calls.KernelCall("matmul_reduce_scatter", 0, "sum", "bfloat16", (((M, 4096), (4096, 1)),) * 2,
+                            (((4096, 4096), (1, 4096)),) * 2, "cuda:0")
+    return autotune.Tuned(call, "mm_sum", M, 4096, 4096, 2, device, best, ms, KernelConfig(128, 128, 64),
+                          heuristic_ms, 10, "graph", check)
+
+
+def test_merged_table_replaces_the_keys_tuned_now():
+    old = {"format": 1, "entries": [
+        {"launcher": "mm_sum", "device": "GPU X", "dtype": "bfloat16", "M": M, "N": 4096, "K": 4096, "n": 2,
+         "config": {"block_m": 16, "block_n": 64, "block_k": 64}} for M in (16, 128, 1024)]}
+    doc, kept = autotune.merged_table(old, [_result(16, 1.0, 2.0), _result(128, 1.0, 1.01),
+                                            _result(4096, 1.0, 2.0, check=False)])
+    assert kept == 1
+    by_m = {e["M"]: e for e in doc["entries"]}
+    assert sorted(by_m) == [16, 1024]              # 16 re-tuned; 128: the heuristic as good (dropped); 1024 kept
+    assert by_m[16]["config"]["block_m"] == 64 and by_m[16]["ms"] == 1.0 and by_m[1024] == old["entries"][2]
+    parsed = tuned.parse_table(doc, "t.json")
+    assert [m for m, _ in parsed[("mm_sum", "GPU X", "bfloat16", 4096, 4096, 2)]] == [16, 1024]
+
+
+def _cli(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_tunes_the_pipelines_calls_and_merges_into_its_table(capsys, tmp_path, monkeypatch):
+    """seq_parallel's two fused groups on CPU (the interpreter), a fake timer under which a 16x16x16 tile wins:
+    both calls get an entry; a second run merges (same keys replaced, others kept)."""
+    needs_cpu_kernels()
+    monkeypatch.delenv("FASTPIPE_TUNED_CONFIGS", raising=False)
+    fast = KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1)
+    monkeypatch.setattr(kernel_timing, "time_config", _timer({fast.text(): 1.0}))
+    out = tmp_path / "tuned.json"
+    other = {"launcher": "mm_sum", "device": "GPU X", "dtype": "bfloat16", "M": 16, "N": 4096, "K": 4096, "n": 2,
+             "config": {"block_m": 16, "block_n": 64, "block_k": 64}}
+    out.write_text(json.dumps({"format": 1, "entries": [other]}))
+    code, stdout, err = _cli(capsys, "tune", SEQ, "--out", out)
+    assert code == 0, err
+    lines = stdout.splitlines()
+    assert lines[0] == "seq_parallel_block: 2 distinct fused-kernel calls (Triton interpreter: timings meaningless)"
+    assert lines[1].startswith("  all_gather_matmul dim 0 (gather_rows M=16 N=32 K=32 n=2 float32): 16x16x16 w4 s1 "
+                               "1.0000 ms vs the heuristic's 16x32x32 w4 s1 10.0000 ms (10.00x, ")
+    assert lines[2].startswith("  matmul_reduce_scatter dim 0 (mm_sum M=16 N=32 K=32 n=2 float32): 16x16x16")
+    assert all(line.endswith("): kept") for line in lines[1:3])
+    assert lines[3] == f"wrote {out}: 2 of 2 tuned calls beat the heuristic by more than 3%; 3 entries in all"
+    assert lines[4] == f"pick_config reads it where FASTPIPE_TUNED_CONFIGS={out}"
+    doc = json.loads(out.read_text())
+    assert doc["entries"][0] == other
+    assert {(e["launcher"], e["device"], e["M"], e["N"], e["K"], e["n"]) for e in doc["entries"][1:]} == {
+        ("gather_rows", "cpu", 16, 32, 32, 2), ("mm_sum", "cpu", 16, 32, 32, 2)}
+    tuned.parse_table(doc, str(out))
+    # again, where FASTPIPE_TUNED_CONFIGS names the file and the heuristic now wins: its entries go, `other` stays
+    monkeypatch.setenv("FASTPIPE_TUNED_CONFIGS", str(out))
+    monkeypatch.setattr(kernel_timing, "time_config", _timer({}))
+    code, stdout, _ = _cli(capsys, "tune", SEQ)
+    assert code == 0 and "pick_config reads it" not in stdout
+    assert json.loads(out.read_text())["entries"] == [other]
+
+
+def test_cli_refusals_leave_the_table_alone(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("FASTPIPE_TUNED_CONFIGS", raising=False)
+    code, _, err = _cli(capsys, "tune", SEQ)
+    assert code == 2 and err == ("fastpipe: error: --out: expected the file to write the tuned configs to (or "
+                                 "FASTPIPE_TUNED_CONFIGS set), found neither\n")
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps({"format": 1, "entries": [{"launcher": "mm_sum"}]}))
+    code, _, err = _cli(capsys, "tune", SEQ, "--out", bad)
+    assert code == 2 and err.startswith(f"fastpipe: error: --out: expected a tuned-config table "
+                                        f"(fastpipe.kernels.tuned) to merge into, found {bad}: entries[0]")
+    assert err.count("\n") == 1 and json.loads(bad.read_text())["entries"] == [{"launcher": "mm_sum"}]
+    code, _, err = _cli(capsys, "tune", SEQ, "--out", tmp_path / "new.json", "--min-gain", "1")
+    assert code == 2 and "--min-gain: expected 0 <= gain < 1" in err
+    from fastpipe.kernels import mm_reduce_scatter_kernel as k
+
+    monkeypatch.setattr(k, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = _cli(capsys, "tune", SEQ, "--out", tmp_path / "new.json")
+    assert code == 2 and err == ("fastpipe: error: fastpipe tune: expected a CUDA GPU (launch configs are measured "
+                                 "per GPU model), found none\n")
+    assert not (tmp_path / "new.json").exists()
+
+
+def test_cli_with_nothing_to_fuse_writes_nothing(capsys, tmp_path):
+    code, out, _ = _cli(capsys, "tune", GRAPHS / "tp_mlp" / "pipeline.json", "--out", tmp_path / "t.json")
+    assert code == 0 and out.endswith("nothing to tune: no group fuses (0 candidate groups); wrote nothing\n")
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_tune_writes_a_table_pick_config_then_follows(capsys, tmp_path, monkeypatch):
+    """On the GPU: seq_parallel's slots on cuda:0, every call tuned for real (replayed graphs); what the table
+    keeps is what pick_config then returns for that launch."""
+    from fastpipe.kernels import pick_config
+
+    out = tmp_path / "tuned.json"
+    code, stdout, err = _cli(capsys, "tune", SEQ, "--out", out, "--device-map", "0=cuda:0,1=cuda:0")
+    assert code == 0, err
+    assert "2 distinct fused-kernel calls" in stdout and stdout.count(" configs, graph): ") == 2, stdout
+    doc = json.loads(out.read_text())
+    tuned.parse_table(doc, str(out))
+    monkeypatch.setenv("FASTPIPE_TUNED_CONFIGS", str(out))
+    for e in doc["entries"]:
+        got = pick_config(e["M"], e["N"], e["K"], getattr(torch, e["dtype"]), "cuda", launcher=e["launcher"], n=e["n"])
+        assert got == KernelConfig(**e["config"])
