@@ -52,7 +52,7 @@ M at each, so a run cut short still has whole crossovers; --budget-s stops start
 times the fastest again in full and checks it (--check); --write-tuned turns the rows where it beat
 the heuristic by more than 3% into fastpipe.kernels.tuned's table, which pick_config consults first
 on that GPU (the "fused" column of a later run then times the tuned kernel). Before the tuning, every
-candidate's first call is made in --compile-workers spawned processes (bench/compile_warmup.py; on a GPU
+candidate's first call is made in --compile-workers spawned processes (fastpipe/kernels/compile_pool.py; on a GPU
 by default the cores less two, at most 14), which fill Triton's on-disk cache, so the tuning's own first
 calls read compiled kernels instead of compiling them one at a time on one core (each tuned row's
 "first_calls_s" sums them; the JSON's "compile_warmup" says what the warm-up did).
@@ -87,7 +87,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench import compile_warmup  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from fastpipe import comm  # noqa: E402
 from fastpipe.atomic import write_text  # noqa: E402
@@ -95,7 +94,7 @@ from fastpipe.kernels import KernelConfig, all_gather_matmul, fused_is_faster, m
 from fastpipe.kernels.fusion_rule import (  # noqa: E402
     KERNEL_REVISIONS, dump_table, fused_wins, gpu_name, newest_rows, row_revision, rows_of, stale_revisions,
     table_from_rows)
-from fastpipe.kernels import mm_sum_tma, pick_config, tuned  # noqa: E402
+from fastpipe.kernels import calls, compile_pool, mm_sum_tma, pick_config, tuned  # noqa: E402
 from fastpipe.kernels.autotune import split_k_candidates, tma_candidates, tune_candidates  # noqa: E402,F401
 from fastpipe.runtime.kernel_timing import replay_ms  # noqa: E402
 from fastpipe.kernels.mm_reduce_scatter_kernel import _num_sms  # noqa: E402
@@ -223,21 +222,40 @@ def first_call_ms(fn, device) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
+def _randn(device, seed):
+    """randn(*shape, dtype=) from a seeded generator on device; on the meta device (shapes and strides only,
+    case_call) empty tensors."""
+    if torch.device(device).type == "meta":
+        return lambda *shape, dtype: torch.empty(*shape, device="meta", dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    return lambda *shape, dtype: torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+
 def make_mrs(M, NK, n, dtype, device, seed=0):
     """a[i]: [M, K], b[i] = w_i.t() with w_i: [N, K] (a linear layer's weight), N = K = NK."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    a = [torch.randn(M, NK, generator=g, device=device, dtype=dtype) for _ in range(n)]
-    w = [torch.randn(NK, NK, generator=g, device=device, dtype=dtype) / NK ** 0.5 for _ in range(n)]
+    randn = _randn(device, seed)
+    a = [randn(M, NK, dtype=dtype) for _ in range(n)]
+    w = [randn(NK, NK, dtype=dtype) / NK ** 0.5 for _ in range(n)]
     return a, [x.t() for x in w]
 
 
 def make_agm(M, NK, n, dim, dtype, device, seed=0):
     """cat(a; dim) is [M, K]; b[j] = w_j.t(): [K, N/n]; N = K = NK."""
-    g = torch.Generator(device=device).manual_seed(seed)
+    randn = _randn(device, seed)
     shape = (M // n, NK) if dim == 0 else (M, NK // n)
-    a = [torch.randn(*shape, generator=g, device=device, dtype=dtype) for _ in range(n)]
-    w = [torch.randn(NK // n, NK, generator=g, device=device, dtype=dtype) / NK ** 0.5 for _ in range(n)]
+    a = [randn(*shape, dtype=dtype) for _ in range(n)]
+    w = [randn(NK // n, NK, dtype=dtype) / NK ** 0.5 for _ in range(n)]
     return a, [x.t() for x in w]
+
+
+def case_call(kernel, M, NK, n, dim, dtype, device) -> calls.KernelCall:
+    """The fused call a case makes, as fastpipe.kernels.calls describes it: its operands' shapes and strides
+    (make_mrs / make_agm's, made on the meta device), on ``device``."""
+    meta = torch.device("meta")
+    a, b = make_mrs(M, NK, n, dtype, meta) if kernel == "matmul_reduce_scatter" else \
+        make_agm(M, NK, n, dim, dtype, meta)
+    call = calls.KernelCall.of(kernel, a, b, dim, "sum" if kernel == "matmul_reduce_scatter" else "")
+    return dataclasses.replace(call, device=str(device))
 
 
 def on_lanes(calls, lanes):
@@ -404,7 +422,7 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
         try:
             t0 = time.perf_counter()
             try:
-                fused(cfg)                                   # compiles, unless the warm-up did (compile_warmup)
+                fused(cfg)                                   # compiles, unless the warm-up did (compile_pool)
             finally:
                 first_calls_s += time.perf_counter() - t0
             timed.append((rank(lambda cfg=cfg: fused(cfg)), cfg))
@@ -425,25 +443,17 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
     return out
 
 
-def warmup_tasks(cases, dim, dtype, device, smoke: bool) -> list[compile_warmup.Task]:
-    """Every (case, candidate config) first call that --tune will make (compile_warmup)."""
+def warmup_tasks(cases, dim, dtype, device, smoke: bool) -> list[compile_pool.Task]:
+    """Every (case, candidate config) first call that --tune will make (fastpipe.kernels.compile_pool)."""
     tasks = []
     for kernel, nk, n, M in cases:
         if not splits_evenly(kernel, M, nk, n, dim):
             continue
         launcher, lm, ln, _ = launcher_shape(kernel, M, nk, n, dim)
+        call = case_call(kernel, M, nk, n, dim, dtype, device)
         for cfg in tune_candidates(lm, ln, dtype, smoke, launcher, _num_sms(device), tma=_has_tma(device, smoke)):
-            tasks.append(compile_warmup.task(kernel, M, nk, n, launcher, cfg))
+            tasks.append(compile_pool.task(call, cfg))
     return tasks
-
-
-def compile_workers(requested: int | None, device: torch.device) -> int:
-    """--compile-workers: as asked; by default, on a GPU, one per core but two (at most 14), none with a
-    core or two (the tuning then compiles each config itself); none on CPU (the interpreter compiles nothing)."""
-    if requested is not None:
-        return max(0, requested)
-    cores = os.cpu_count() or 1
-    return min(14, cores - 2) if device.type == "cuda" and cores > 3 else 0
 
 
 def tuned_table(paths, min_gain: float = 0.03) -> dict:
@@ -595,7 +605,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eager", action="store_true",
                     help="time launches from Python on one stream, not CUDA-graph replays (host overhead included)")
     ap.add_argument("--compile-workers", type=int,
-                    help="with --tune: first compile every candidate kernel in this many processes (compile_warmup; "
+                    help="with --tune: first compile every candidate kernel in this many processes (compile_pool; "
                          "default: on a GPU, the cores less two, at most 14; 0: off)")
     ap.add_argument("--budget-s", type=float,
                     help="start no case after this many seconds (the rest are listed as not_run in --json)")
@@ -652,10 +662,11 @@ def main(argv=None) -> int:
     lanes = [torch.cuda.Stream(device) for _ in range(max(ns))] if device.type == "cuda" else None
     rows, not_run, t0 = [], [], time.perf_counter()
     warmup = None
-    if args.tune and (workers := compile_workers(args.compile_workers, device)):
+    workers = args.compile_workers if args.compile_workers is not None else compile_pool.default_workers(device)
+    if args.tune and workers > 0:
         # half the budget at most: a stuck pool must leave the tuning its time
-        warmup = compile_warmup.warm(warmup_tasks(cases, args.dim, dtype, device, args.smoke), workers, args.dim,
-                                     dtype, device, timeout_s=args.budget_s / 2 if args.budget_s is not None else 600)
+        warmup = compile_pool.warm(warmup_tasks(cases, args.dim, dtype, device, args.smoke), workers,
+                                   timeout_s=args.budget_s / 2 if args.budget_s is not None else 600)
         print(f"compile warm-up: {warmup['tasks']} first calls ({warmup['units']} kernels' configs) on "
               f"{warmup['workers']} processes in {warmup['s']:.1f} s"
               + (f"; {len(warmup['failed'])} failed (the tuning records them): " + "; ".join(warmup["failed"][:3])

@@ -199,7 +199,7 @@ run_one() {  # stage, its arguments...: one stage; non-zero when it failed
         --budget-s "$(left 90)" --json "$OUT/fused.json" "${extra[@]}" || rc=1
       python3 bench/bench_fused_kernels.py --threshold "$OUT/fused.json" --write-rule "$OUT/fusion_measured.json" \
         >> "$OUT/fused.log" 2>&1 || rc=1 ;;
-    tune)    # the candidates compile first in (cores - 2) processes (bench/compile_warmup.py)
+    tune)    # the candidates compile first in (cores - 2) processes (fastpipe/kernels/compile_pool.py)
       run_stage tune "$(left 20)" python3 bench/bench_fused_kernels.py --kernel both --tune --check --ms 1024,8192 \
         --budget-s "$(left 120)" --json "$OUT/tune.json" "${extra[@]}" || rc=1
       python3 bench/bench_fused_kernels.py --write-tuned "$OUT/tuned_configs.json" "$OUT/tune.json" \

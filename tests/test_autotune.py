@@ -160,10 +160,12 @@ def test_cli_tunes_the_pipelines_calls_and_merges_into_its_table(capsys, tmp_pat
     other = {"launcher": "mm_sum", "device": "GPU X", "dtype": "bfloat16", "M": 16, "N": 4096, "K": 4096, "n": 2,
              "config": {"block_m": 16, "block_n": 64, "block_k": 64}}
     out.write_text(json.dumps({"format": 1, "entries": [other]}))
-    code, stdout, err = _cli(capsys, "tune", SEQ, "--out", out)
+    code, stdout, err = _cli(capsys, "tune", SEQ, "--out", out, "--compile-workers", "2")
     assert code == 0, err
     lines = stdout.splitlines()
     assert lines[0] == "seq_parallel_block: 2 distinct fused-kernel calls (Triton interpreter: timings meaningless)"
+    # first calls made in 2 processes first (fastpipe.kernels.compile_pool): the heuristic's and the candidates
+    assert lines.pop(1).startswith("compiled 9 first calls (9 kernels) on 2 processes in ")
     assert lines[1].startswith("  all_gather_matmul dim 0 (gather_rows M=16 N=32 K=32 n=2 float32): 16x16x16 w4 s1 "
                                "1.0000 ms vs the heuristic's 16x32x32 w4 s1 10.0000 ms (10.00x, ")
     assert lines[2].startswith("  matmul_reduce_scatter dim 0 (mm_sum M=16 N=32 K=32 n=2 float32): 16x16x16")

@@ -125,7 +125,7 @@ def test_smoke_tune_then_table(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    # the first calls made first in 2 processes (bench/compile_warmup.py): 2 M x (4 mm_sum + 3 gather_rows) configs
+    # the first calls made first in 2 processes (fastpipe.kernels.compile_pool): 2 M x (4 mm_sum + 3 gather_rows) configs
     warm = doc["compile_warmup"]
     assert (warm["workers"], warm["tasks"], warm["units"], warm["failed"]) == (2, 14, 7, []) and "error" not in warm
     assert "compile warm-up: 14 first calls (7 kernels' configs) on 2 processes in " in r.stdout

@@ -260,7 +260,7 @@ def test_gpu_check_runs_several_stages_in_one_call_and_packs_past_eight_files(tm
     their 10 files brought to 8 (what the device tool returns) by packing the logs."""
     import tarfile
 
-    proc = _gpu_check(tmp_path, "tests", "tests/test_compile_warmup.py", "-k", "split", "+", "fused", "--smoke",
+    proc = _gpu_check(tmp_path, "tests", "tests/test_compile_pool.py", "-k", "split", "+", "fused", "--smoke",
                       "+", "tune", "--smoke")
     assert proc.returncode == 1, proc.stdout + proc.stderr                # red: no CUDA here
     summary = (tmp_path / "summary.txt").read_text()
@@ -276,7 +276,7 @@ def test_gpu_check_runs_several_stages_in_one_call_and_packs_past_eight_files(tm
         assert b"1 passed" in tar.extractfile("tests.log").read()
     assert json.loads((tmp_path / "tune.json").read_text())["args"]["tune"] is True
     assert {r["nodeid"] for r in _lines(tmp_path / "results.jsonl") if "nodeid" in r} == {
-        "tests/test_compile_warmup.py::test_split_keeps_each_unit_in_one_chunk_and_balances_them"}
+        "tests/test_compile_pool.py::test_split_keeps_each_unit_in_one_chunk_and_balances_them"}
 
 
 def test_gpu_check_starts_no_stage_past_the_calls_budget(tmp_path):

@@ -93,6 +93,9 @@ def parser() -> argparse.ArgumentParser:
                         "$FASTPIPE_TUNED_CONFIGS); point FASTPIPE_TUNED_CONFIGS at it for pick_config to read it")
     t.add_argument("--device-map", metavar="MAP", help="slot placement, e.g. 0=cuda:0,1=cuda:0")
     t.add_argument("--seed", type=int, default=0, help="seed for the random inputs of the recording run (default 0)")
+    t.add_argument("--compile-workers", type=int, metavar="N",
+                   help="compile the candidate kernels first in N processes (default: on a GPU, the cores less two, "
+                        "at most 14; 0: each compiles at its first call)")
     t.add_argument("--min-gain", type=float, default=0.03,
                    help="keep a config only where it beat the heuristic's by more than this (default 0.03: 3%%)")
     b = sub.add_parser("build", help="split a local Hugging Face checkpoint folder into a tp x pp pipeline, or "

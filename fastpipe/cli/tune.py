@@ -1,7 +1,8 @@
 """`fastpipe tune`: launch configs for this pipeline's fused-kernel calls, measured on this GPU.
 
 Loads the pipeline with every fusable group fused (fuse="always", eager, no CUDA graph), runs it once on
-seeded random inputs while recording the fused-kernel calls (fastpipe.kernels.calls), tunes each
+seeded random inputs while recording the fused-kernel calls (fastpipe.kernels.calls), compiles every
+(call, config) it will time in --compile-workers processes (fastpipe.kernels.compile_pool), tunes each
 distinct call (fastpipe.kernels.autotune.tune) and writes the table pick_config reads
 (fastpipe.kernels.tuned) to --out, merged with what that file held (or, for a new file, with the table
 in use now). Exit 0 when every call was tuned, 1 when one could not be (the others are written), 2 on bad
@@ -23,7 +24,7 @@ def cmd_tune(args) -> int:
 
     from fastpipe.atomic import write_text
     from fastpipe.format import read_pipeline
-    from fastpipe.kernels import autotune, calls, tuned
+    from fastpipe.kernels import autotune, calls, compile_pool, tuned
     from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting
     from fastpipe.options import RunOptions
     from fastpipe.random_inputs import random_inputs
@@ -56,6 +57,13 @@ def cmd_tune(args) -> int:
         sess.close()
     print(f"{p.name}: {len(made)} distinct fused-kernel calls" + (" (Triton interpreter: timings meaningless)"
                                                                   if interpreting() else ""))
+    workers = args.compile_workers if args.compile_workers is not None else \
+        compile_pool.default_workers(torch.device(made[0].device))
+    if workers > 0:
+        tasks = [compile_pool.task(c, cfg) for c in made if _tunable(c) for cfg in autotune.configs_for(c)]
+        warm = compile_pool.warm(tasks, workers, timeout_s=600)
+        print(f"compiled {warm['tasks']} first calls ({warm['units']} kernels) on {warm['workers']} processes in "
+              f"{warm['s']:.1f} s" + (f"; ENDED EARLY: {warm['error']}" if "error" in warm else ""))
     results, failed = [], 0
     for call in made:
         try:
@@ -75,6 +83,14 @@ def cmd_tune(args) -> int:
     if tuned.table_path().resolve() != Path(out).resolve():
         print(f"pick_config reads it where FASTPIPE_TUNED_CONFIGS={out}")
     return EXIT_FAILED if failed else 0
+
+
+def _tunable(call) -> bool:
+    try:
+        call.launch()
+    except ValueError:
+        return False
+    return True
 
 
 def _base_table(out: Path, in_use: Path) -> dict | None:

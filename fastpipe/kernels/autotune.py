@@ -123,16 +123,32 @@ class Tuned:
                 + (f"; {len(self.skipped)} could not run" if self.skipped else ""))
 
 
-def candidates_for(call: KernelCall, device: torch.device) -> list[KernelConfig]:
-    """tune_candidates for the call's launch on this device (TMA where the GPU has it)."""
+def candidates_for(call: KernelCall) -> list[KernelConfig]:
+    """tune_candidates for the call's launch on its device (TMA where the GPU has it; interpreter-sized ones
+    on CPU tensors)."""
     from fastpipe.kernels import mm_sum_tma
     from fastpipe.kernels.mm_reduce_scatter_kernel import _num_sms
 
     launcher, M, N, _, _ = call.launch()
+    device = torch.device(call.device)
     smoke = device.type != "cuda"
     tma = smoke or mm_sum_tma.device_problem(device) is None
     return tune_candidates(M, N, getattr(torch, call.dtype), smoke, launcher, _num_sms(device) if not smoke else 132,
                            tma=tma)
+
+
+def heuristic(call: KernelCall) -> KernelConfig:
+    """pick_config's own choice for the call, without any tuned table."""
+    from fastpipe.kernels.mm_reduce_scatter_kernel import pick_config
+
+    launcher, M, N, K, n = call.launch()
+    return pick_config(M, N, K, getattr(torch, call.dtype), torch.device(call.device), launcher=launcher, n=n,
+                       use_tuned=False)
+
+
+def configs_for(call: KernelCall, configs: list[KernelConfig] | None = None) -> list[KernelConfig]:
+    """What ``tune`` times: the heuristic's config first, then ``configs`` (default ``candidates_for``)."""
+    return list(dict.fromkeys([heuristic(call), *(configs if configs is not None else candidates_for(call))]))
 
 
 def tune(call: KernelCall, timer, *, configs: list[KernelConfig] | None = None) -> Tuned:
@@ -141,14 +157,13 @@ def tune(call: KernelCall, timer, *, configs: list[KernelConfig] | None = None) 
     (fastpipe.runtime.kernel_timing.time_config: replayed CUDA graphs). ValueError where the call cannot
     be tuned (``KernelCall.launch``) or the heuristic's config could not run."""
     from fastpipe.kernels.fusion_rule import gpu_name
-    from fastpipe.kernels.mm_reduce_scatter_kernel import pick_config
 
     launcher, M, N, K, n = call.launch()
     dtype = getattr(torch, call.dtype)
     device = torch.device(call.device)
     a, b = call.operands()
-    heuristic = pick_config(M, N, K, dtype, device, launcher=launcher, n=n, use_tuned=False)
-    configs = list(dict.fromkeys([heuristic, *(configs if configs is not None else candidates_for(call, device))]))
+    configs = configs_for(call, configs)
+    heuristic = configs[0]
     ranked, skipped = [], []
     for cfg in configs:
         try:

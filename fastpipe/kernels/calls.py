@@ -22,7 +22,7 @@ _lock = threading.Lock()
 _recorders: list[list] = []
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class KernelCall:
     kernel: str                  # "matmul_reduce_scatter" | "all_gather_matmul"
     dim: int                     # 0 or 1 (normalized)
@@ -31,6 +31,13 @@ class KernelCall:
     a: tuple                     # ((shape, strides), ...) per participant
     b: tuple
     device: str                  # where it ran: "cuda:0", ...
+
+    @classmethod
+    def of(cls, kernel: str, a, b, dim: int, op: str = "") -> KernelCall:
+        """The call ``kernel(a, b, dim, op)`` (a and b: tensors, meta ones too: only shapes and strides are kept)."""
+        return cls(kernel, dim, op, str(a[0].dtype).replace("torch.", ""),
+                   tuple((tuple(x.shape), tuple(x.stride())) for x in a),
+                   tuple((tuple(x.shape), tuple(x.stride())) for x in b), str(a[0].device))
 
     def launch(self) -> tuple[str, int, int, int, int]:
         """(launcher, M, N, K, n) as pick_config sees this call's launch; ValueError where one config
@@ -91,9 +98,7 @@ def note(kernel: str, a, b, dim: int, op: str = "") -> None:
     """Called by the public kernel functions after checking their operands (a no-op unless recording)."""
     if not _recorders:
         return
-    call = KernelCall(kernel, dim, op, str(a[0].dtype).replace("torch.", ""),
-                      tuple((tuple(x.shape), tuple(x.stride())) for x in a),
-                      tuple((tuple(x.shape), tuple(x.stride())) for x in b), str(a[0].device))
+    call = KernelCall.of(kernel, a, b, dim, op)
     with _lock:
         for calls in _recorders:
             if call not in calls:

@@ -23,6 +23,8 @@ def replay_ms(fn, device: torch.device, quick: bool) -> tuple[float, str]:
 
     from fastpipe.runtime.cuda_capture import capture
 
+    if device.index is None:                      # one capture stream per device, keyed by its name
+        device = torch.device("cuda", torch.cuda.current_device())
     side = torch.cuda.Stream(device)              # the first run outside the capture (Triton compiles)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -34,9 +36,10 @@ def replay_ms(fn, device: torch.device, quick: bool) -> tuple[float, str]:
         graph, _ = capture(fn, device)
     except Exception as e:  # noqa: BLE001 - said in the result, never silent
         torch.cuda.synchronize(device)
-        return do_bench(fn, warmup=warmup, rep=rep), f"eager: capture failed: {type(e).__name__}: {e}"[:200]
+        return (do_bench(fn, warmup=warmup, rep=rep, return_mode="median"),
+                f"eager: capture failed: {type(e).__name__}: {' '.join(str(e).split())}"[:200])
     try:
-        return do_bench(graph.replay, warmup=warmup, rep=rep), "graph"
+        return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median"), "graph"
     finally:
         graph.reset()
 
