@@ -222,9 +222,11 @@ def test_gpu_tune_writes_a_table_pick_config_then_follows(capsys, tmp_path, monk
     from fastpipe.kernels import pick_config
 
     out = tmp_path / "tuned.json"
-    code, stdout, err = _cli(capsys, "tune", SEQ, "--out", out, "--device-map", "0=cuda:0,1=cuda:0")
+    code, stdout, err = _cli(capsys, "tune", SEQ, "--out", out, "--device-map", "0=cuda:0,1=cuda:0",
+                             "--compile-workers", "2")
     assert code == 0, err
     assert "2 distinct fused-kernel calls" in stdout and stdout.count(" configs, graph): ") == 2, stdout
+    assert "\ncompiled " in stdout and " on 2 processes in " in stdout and "ENDED EARLY" not in stdout
     doc = json.loads(out.read_text())
     tuned.parse_table(doc, str(out))
     monkeypatch.setenv("FASTPIPE_TUNED_CONFIGS", str(out))
