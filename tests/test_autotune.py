@@ -233,3 +233,12 @@ def test_gpu_tune_writes_a_table_pick_config_then_follows(capsys, tmp_path, monk
     for e in doc["entries"]:
         got = pick_config(e["M"], e["N"], e["K"], getattr(torch, e["dtype"]), "cuda", launcher=e["launcher"], n=e["n"])
         assert got == KernelConfig(**e["config"])
+
+
+def test_cli_says_so_when_the_fused_run_called_no_kernel(capsys, tmp_path, monkeypatch):
+    needs_cpu_kernels()
+    monkeypatch.setattr(calls, "note", lambda *a, **k: None)      # as if the fused steps bypassed the kernels
+    code, out, err = _cli(capsys, "tune", SEQ, "--out", tmp_path / "t.json")
+    assert code == 1 and out == "" and err == ("fastpipe: error: fastpipe tune: expected the fused run to call the "
+                                               "fused kernels, found no call (2 groups fused); wrote nothing\n")
+    assert not (tmp_path / "t.json").exists()

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from fastpipe.cli.common import EXIT_FAILED, check_writable, device_map_of, load_options
-from fastpipe.errors import InputError
+from fastpipe.errors import InputError, RunError
 
 
 def cmd_tune(args) -> int:
@@ -55,6 +55,9 @@ def cmd_tune(args) -> int:
             sess.run(random_inputs(p, args.seed))
     finally:
         sess.close()
+    if not made:
+        raise RunError(f"fastpipe tune: expected the fused run to call the fused kernels, found no call "
+                       f"({sum(d.fused for d in sess.fusion)} groups fused); wrote nothing")
     print(f"{p.name}: {len(made)} distinct fused-kernel calls" + (" (Triton interpreter: timings meaningless)"
                                                                   if interpreting() else ""))
     workers = args.compile_workers if args.compile_workers is not None else \
