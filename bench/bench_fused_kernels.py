@@ -90,14 +90,13 @@ import torch  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from fastpipe import comm  # noqa: E402
 from fastpipe.atomic import write_text  # noqa: E402
-from fastpipe.kernels import KernelConfig, all_gather_matmul, fused_is_faster, matmul_reduce_scatter  # noqa: E402
+from fastpipe.kernels import all_gather_matmul, fused_is_faster, matmul_reduce_scatter  # noqa: E402
 from fastpipe.kernels.fusion_rule import (  # noqa: E402
     KERNEL_REVISIONS, dump_table, fused_wins, gpu_name, newest_rows, row_revision, rows_of, stale_revisions,
     table_from_rows)
-from fastpipe.kernels import calls, compile_pool, mm_sum_tma, pick_config, tuned  # noqa: E402
-from fastpipe.kernels.autotune import split_k_candidates, tma_candidates, tune_candidates  # noqa: E402,F401
-from fastpipe.runtime.kernel_timing import replay_ms  # noqa: E402
-from fastpipe.kernels.mm_reduce_scatter_kernel import _num_sms  # noqa: E402
+from fastpipe.kernels import calls, compile_pool, pick_config, tuned  # noqa: E402
+from fastpipe.kernels.autotune import candidates_for, tune_candidates  # noqa: E402,F401 (tune_candidates: scripts/)
+from fastpipe.runtime.kernel_timing import capture_after_first_run as capture, replay_ms  # noqa: E402
 from tests.tensor_compare import error_ratio  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -169,23 +168,6 @@ def bench(fn, device, quick: bool = False) -> tuple[float, float, float]:
         fn()
         ts.append((time.perf_counter() - t) * 1e3)
     return statistics.median(ts), min(ts), max(ts)
-
-
-def capture(fn, device):
-    """fn captured as one CUDA graph: (graph, the outputs its replays rewrite). fn runs once first on
-    a side stream (Triton compiles, the allocator settles), as CUDA graphs need; the capture is the
-    runtime's own (fastpipe.runtime.cuda_capture: a failed one leaves the stream and allocator as
-    they were, so the case can go on eagerly)."""
-    from fastpipe.runtime.cuda_capture import capture as capture_graph
-
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    device = torch.device(device)
-    return capture_graph(fn, device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
 
 
 @contextlib.contextmanager
@@ -393,17 +375,7 @@ def fused_config(kernel, M, NK, n, dim, dtype, device) -> tuple[str, str]:
 # ---------------------------------------------------------------------------------------- tuning
 def launcher_shape(kernel: str, M: int, NK: int, n: int, dim: int) -> tuple[str, int, int, int]:
     """(launcher, M, N, K) as pick_config sees them for one fused call (fastpipe.kernels.tuned)."""
-    if kernel == "matmul_reduce_scatter":
-        return "mm_sum", M, NK, NK
-    return ("gather_rows", M, NK // n, NK) if dim == 0 else ("mm_sum", M, NK // n, NK // n)
-
-
-def _has_tma(device: torch.device, smoke: bool) -> bool:
-    """Whether --tune times the TMA kernel: on a GPU that has TMA (compute capability 9.0 or newer), and
-    in --smoke runs, whose interpreter runs it on CPU tensors."""
-    if device.type != "cuda":
-        return smoke
-    return mm_sum_tma.device_problem(device) is None
+    return case_call(kernel, M, NK, n, dim, torch.bfloat16, "meta").launch()[:4]
 
 
 def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smoke: bool, eager: bool = False) -> dict:
@@ -414,11 +386,12 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
     a, b, _, _, _, _ = made
     fused = (lambda cfg: matmul_reduce_scatter(a, b, dim=dim, config=cfg)) if kernel == "matmul_reduce_scatter" \
         else (lambda cfg: all_gather_matmul(a, b, dim=dim, config=cfg))
-    launcher, lm, ln, lk = launcher_shape(kernel, M, NK, n, dim)
+    call = case_call(kernel, M, NK, n, dim, dtype, device)
+    launcher, lm, ln, lk, _ = call.launch()
     timed, first_calls_s = [], 0.0
     rank = (lambda fn: bench(fn, device, quick=True)[0]) if eager or device.type != "cuda" else \
         (lambda fn: replay_ms(fn, device, quick=True)[0])
-    for cfg in tune_candidates(lm, ln, dtype, smoke, launcher, _num_sms(device), tma=_has_tma(device, smoke)):
+    for cfg in candidates_for(call, smoke):
         try:
             t0 = time.perf_counter()
             try:
@@ -449,10 +422,8 @@ def warmup_tasks(cases, dim, dtype, device, smoke: bool) -> list[compile_pool.Ta
     for kernel, nk, n, M in cases:
         if not splits_evenly(kernel, M, nk, n, dim):
             continue
-        launcher, lm, ln, _ = launcher_shape(kernel, M, nk, n, dim)
         call = case_call(kernel, M, nk, n, dim, dtype, device)
-        for cfg in tune_candidates(lm, ln, dtype, smoke, launcher, _num_sms(device), tma=_has_tma(device, smoke)):
-            tasks.append(compile_pool.task(call, cfg))
+        tasks += [compile_pool.task(call, cfg) for cfg in candidates_for(call, smoke)]
     return tasks
 
 

@@ -7,12 +7,13 @@ own shapes (a Llama's hidden 4096 against its MLP's 14336, split n ways) are tun
 
     calls = recorded calls (fastpipe.kernels.calls.recording, around one run of the pipeline)
     results = [tune(call, kernel_timing.time_config) for call in calls]
-    doc = merged_table(base_doc, results, device_name)       # -> FASTPIPE_TUNED_CONFIGS
+    doc, kept = merged_table(base_doc, results)               # -> FASTPIPE_TUNED_CONFIGS
 
 ``tune`` times the call under every candidate (``tune_candidates``, the bench's own) and under the
 heuristic's config, with the timer it is given (fastpipe.runtime.kernel_timing's: each a replayed CUDA
-graph as the runtime runs it; a call whose capture fails is timed eagerly, and says so), ranks them with short runs, times the best and the heuristic's again in
-full, and checks the best one's outputs against the heuristic's. ``merged_table`` keeps a config
+graph as the runtime runs it; a call whose capture fails is timed eagerly, and says so). It ranks
+them with short runs, times the best and the heuristic's again in full, and checks the best one's
+outputs against the heuristic's. ``merged_table`` keeps a config
 where it beat the heuristic by more than ``min_gain`` (3%) and its check passed, replacing the
 entries of the same key; where the heuristic was as good, an older entry of that key is dropped.
 Under the Triton interpreter (CPU tensors: the tests) the candidates are interpreter-sized and the
@@ -34,8 +35,8 @@ MIN_GAIN = 0.03
 
 def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: str = "mm_sum",
                     sms: int = 132, tma: bool = False) -> list[KernelConfig]:
-    """The configs a tuning times (``fastpipe tune``; ``bench/bench_fused_kernels.py --tune``): block_m around M's power of two (16..128), block_n 64/128/256 (not
-    past N), block_k 64/128, (4 warps, 4 stages) or (8 warps, 3 stages); at most ~200 KiB of shared
+    """The configs a tuning times (``fastpipe tune``; ``bench/bench_fused_kernels.py --tune``): block_m
+    around M's power of two (16..128), block_n 64/128/256 (not past N), block_k 64/128, (4 warps, 4 stages) or (8 warps, 3 stages); at most ~200 KiB of shared
     memory (an H100 has 227 KiB a block) and at most 128 fp32 accumulators a thread (128x256 on 4
     warps needs 256 and spills kilobytes of registers on sm_90: scripts/compile_kernels.py
     --tune-candidates). For the mm_sum launcher, also split-K (``split_k_candidates``) where a
@@ -123,18 +124,17 @@ class Tuned:
                 + (f"; {len(self.skipped)} could not run" if self.skipped else ""))
 
 
-def candidates_for(call: KernelCall) -> list[KernelConfig]:
-    """tune_candidates for the call's launch on its device (TMA where the GPU has it; interpreter-sized ones
-    on CPU tensors)."""
+def candidates_for(call: KernelCall, smoke: bool | None = None) -> list[KernelConfig]:
+    """tune_candidates for the call's launch on its device: interpreter-sized ones where ``smoke`` (default:
+    on CPU tensors); TMA ones on a GPU that has TMA, and in smoke runs (the interpreter runs them)."""
     from fastpipe.kernels import mm_sum_tma
     from fastpipe.kernels.mm_reduce_scatter_kernel import _num_sms
 
     launcher, M, N, _, _ = call.launch()
     device = torch.device(call.device)
-    smoke = device.type != "cuda"
-    tma = smoke or mm_sum_tma.device_problem(device) is None
-    return tune_candidates(M, N, getattr(torch, call.dtype), smoke, launcher, _num_sms(device) if not smoke else 132,
-                           tma=tma)
+    smoke = device.type != "cuda" if smoke is None else smoke
+    tma = mm_sum_tma.device_problem(device) is None if device.type == "cuda" else smoke
+    return tune_candidates(M, N, getattr(torch, call.dtype), smoke, launcher, _num_sms(device), tma=tma)
 
 
 def heuristic(call: KernelCall) -> KernelConfig:

@@ -114,14 +114,10 @@ else:  # pragma: no cover
 def b_layout(b: Sequence[Tensor]) -> str | None:
     """"rows" when every b[i] is row-major (unit N stride), "cols" when every one is column-major (unit
     K stride: ``w.t()``), else None. A matrix that is both (one row or one column) goes with the others."""
-    rows = all(x.stride(1) == 1 for x in b)
-    cols = all(x.stride(0) == 1 for x in b)
-    if rows and not cols:
+    if all(x.stride(1) == 1 for x in b):
         return "rows"
-    if cols and not rows:
+    if all(x.stride(0) == 1 for x in b):
         return "cols"
-    if rows and cols:
-        return "rows"
     return None
 
 

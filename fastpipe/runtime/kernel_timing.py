@@ -9,9 +9,9 @@ import torch
 
 
 def replay_ms(fn, device: torch.device, quick: bool) -> tuple[float, str]:
-    """fn's median time (ms) as a replayed CUDA graph (triton's do_bench, L2 flushed between runs;
-    quick: a short run), or eagerly where the capture fails (the second value says why); on CPU, the
-    median of 3 eager runs."""
+    """fn's median time (ms) as a replayed CUDA graph (``capture_after_first_run``; triton's do_bench, L2
+    flushed between runs; quick: a short run), or eagerly where the capture fails (the second value says
+    why); on CPU, the median of 3 eager runs."""
     if device.type != "cuda":
         ts = []
         for _ in range(3):
@@ -21,19 +21,9 @@ def replay_ms(fn, device: torch.device, quick: bool) -> tuple[float, str]:
         return statistics.median(ts), "eager (CPU)"
     from triton.testing import do_bench
 
-    from fastpipe.runtime.cuda_capture import capture
-
-    if device.index is None:                      # one capture stream per device, keyed by its name
-        device = torch.device("cuda", torch.cuda.current_device())
-    side = torch.cuda.Stream(device)              # the first run outside the capture (Triton compiles)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
     warmup, rep = (5, 20) if quick else (25, 100)
     try:
-        graph, _ = capture(fn, device)
+        graph, _ = capture_after_first_run(fn, device)
     except Exception as e:  # noqa: BLE001 - said in the result, never silent
         torch.cuda.synchronize(device)
         return (do_bench(fn, warmup=warmup, rep=rep, return_mode="median"),
@@ -42,6 +32,24 @@ def replay_ms(fn, device: torch.device, quick: bool) -> tuple[float, str]:
         return do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median"), "graph"
     finally:
         graph.reset()
+
+
+def capture_after_first_run(fn, device: torch.device):
+    """fn captured as one CUDA graph: (graph, the outputs its replays rewrite). fn runs once first on a side
+    stream (Triton compiles, the allocator settles), as CUDA graphs need; the capture is the runtime's own
+    (fastpipe.runtime.cuda_capture: a failed one raises, leaving the stream and allocator as they were)."""
+    from fastpipe.runtime.cuda_capture import capture
+
+    device = torch.device(device)
+    if device.index is None:                      # one capture stream per device, keyed by its name
+        device = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    return capture(fn, device)
 
 
 def time_config(config, fn, device: torch.device, quick: bool) -> tuple[float, str]:
