@@ -48,7 +48,7 @@ the run goes on (exit 1 at the end). Cases go shape by shape (N = K, then n), bo
 M at each, so a run cut short still has whole crossovers; --budget-s stops starting cases after that many seconds
 (the rows not run are listed as "not_run").
 
---tune times the fused kernel under each of tune_candidates' launch configs (short do_bench runs),
+--tune times the fused kernel under each of tune_candidates' launch configs (short runs of a replayed CUDA graph),
 times the fastest again in full and checks it (--check); --write-tuned turns the rows where it beat
 the heuristic by more than 3% into fastpipe.kernels.tuned's table, which pick_config consults first
 on that GPU (the "fused" column of a later run then times the tuned kernel). Before the tuning, every
