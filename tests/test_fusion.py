@@ -61,7 +61,7 @@ def test_auto_on_one_cuda_device_follows_the_measured_rule(tmp_path, S, dtype, w
     got = {d.group: d for d in fuse.analyze(sess.checked, cuda, "auto")}
     assert {g: d.fused for g, d in got.items()} == want
     t, gpu = dtypes.to_torch(dtype), gpu_name("cuda:0")                        # no GPU here: None (any GPU)
-    rules = {"ag0": estimate("all_gather_matmul", S, H // n, D, n, t, 0, gpu),          # [S, D] @ [D, H/n]
+    rules = {"ag0": estimate("all_gather_matmul", S, H, D, n, t, 0, gpu),     # [S, D] @ [D, H] (n x [D, H/n])
              "rs0": estimate("matmul_reduce_scatter", S, D, H, n, t, 0, gpu)}          # n x [S, H/n] @ [H/n, D]
     for g, d in got.items():
         assert d.reason.endswith(rules[g].reason) and "fastpipe.kernels.fusion_rule" in d.reason, d.line()
@@ -84,7 +84,7 @@ def test_auto_asks_about_the_gpu_the_members_share(tmp_path, monkeypatch):
     assert asked == [torch.device("cuda:1")] * 2 and len(got) == 2
     for d in got:
         assert d.reason.endswith("; this GPU (Some GPU) was not measured: another GPU's measurement decides "
-                                 "until `scripts/gpu_check.sh fused` measures this one"), d.line()
+                                 "until `scripts/gpu_check.sh fused` or `fastpipe tune` measures this one"), d.line()
 
 
 def test_launch_problem_says_why_the_kernels_cannot_run(monkeypatch):

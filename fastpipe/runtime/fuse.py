@@ -193,15 +193,17 @@ def _cannot_launch(device) -> str | None:
 
 
 def _measured(d: Decision, device):
-    """fastpipe.kernels.fusion_rule's estimate for the group's shape (the first member's matmul) on
-    the GPU its members share (its measurements where that GPU model was measured)."""
+    """fastpipe.kernels.fusion_rule's estimate for the group's shape on the GPU its members share (its
+    measurements where that GPU model was measured), in the bench's terms: matmul->reduce_scatter, the
+    first member's [M, K] @ [K, N] with K_total = n * K; all_gather->matmul, the gathered [M, K] times
+    every member's weight, N their widths summed (each member computes [M, N/n])."""
     from fastpipe import dtypes
     from fastpipe.kernels.fusion_rule import estimate, gpu_name
 
     m = d.plan[0]
     M, K = m["a_shape"]
-    N = m["b_shape"][1]
     mrs = d.pattern == "matmul->reduce_scatter"
+    N = m["b_shape"][1] if mrs else sum(x["b_shape"][1] for x in d.plan)
     k_total = K * (len(d.plan) if mrs else 1)
     return estimate("matmul_reduce_scatter" if mrs else "all_gather_matmul", M, N, k_total, len(d.plan),
                     dtypes.to_torch(m["dtype"]), m["dim"], gpu_name(device))
