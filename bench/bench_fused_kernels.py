@@ -13,10 +13,11 @@ Default grid: M in {16, 128, 1024, 8192}, N = K in {4096, 8192}, n in {2, 4}, bf
 
 matmul_reduce_scatter (a[i]: [M, K], b[i] = w_i.t(): [K, N], as a row-parallel linear layer):
   fused    fastpipe.kernels.matmul_reduce_scatter: one launch, every tile written once
-  unfused  what the runtime runs without fusion (the cuda processor, members on one GPU): each
-           member's compute step, torch.mm, on its own stream (the slots' lanes, overlapping),
-           then the group's callable, fastpipe.comm.reduce_scatter (float32 fold, one cast, a
-           fresh chunk per member), after all of them
+  unfused  what the runtime runs without fusion (the cuda processor, members on one GPU;
+           fastpipe.runtime.unfused_path): each member's compute step, torch.mm, on its own
+           stream (the slots' lanes, overlapping), then the group's callable,
+           fastpipe.comm.reduce_scatter (float32 fold, one cast, a fresh chunk per member),
+           after all of them
   torch.mm one mm of [M, n*K] x [n*K, N]: the same FLOPs in one cuBLAS call (the roofline
            the fused kernel should approach)
 all_gather_matmul (a[i]: [M/n, K] (dim 0) or [M, K/n] (dim 1), b[j] = w_j.t(): [K, N/n]):
@@ -88,7 +89,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.machine import machine_info  # noqa: E402
-from fastpipe import comm  # noqa: E402
 from fastpipe.atomic import write_text  # noqa: E402
 from fastpipe.kernels import all_gather_matmul, fused_is_faster, matmul_reduce_scatter  # noqa: E402
 from fastpipe.kernels.fusion_rule import (  # noqa: E402
@@ -96,6 +96,7 @@ from fastpipe.kernels.fusion_rule import (  # noqa: E402
     table_from_rows)
 from fastpipe.kernels import calls, compile_pool, pick_config, tuned  # noqa: E402
 from fastpipe.kernels.autotune import candidates_for, tune_candidates  # noqa: E402,F401 (tune_candidates: scripts/)
+from fastpipe.runtime import unfused_path  # noqa: E402
 from fastpipe.runtime.kernel_timing import capture_after_first_run as capture, replay_ms  # noqa: E402
 from tests.tensor_compare import error_ratio  # noqa: E402
 
@@ -240,38 +241,6 @@ def case_call(kernel, M, NK, n, dim, dtype, device) -> calls.KernelCall:
     return dataclasses.replace(call, device=str(device))
 
 
-def on_lanes(calls, lanes):
-    """calls[i]() on lanes[i] (forked from and joined back to the current stream), as the cuda
-    processor runs each slot's step on its own stream; lanes None: one after another here. Only
-    inside a graph capture or before a synchronize: nothing is record_stream-ed."""
-    if lanes is None:
-        return [c() for c in calls]
-    lanes = lanes[:len(calls)]        # only the lanes forked: joining an unforked one would wait on an
-    cur = torch.cuda.current_stream()  # event outside the capture, which invalidates it
-    outs = []
-    for call, lane in zip(calls, lanes):
-        lane.wait_stream(cur)
-        with torch.cuda.stream(lane):
-            outs.append(call())
-    for lane in lanes:
-        cur.wait_stream(lane)
-    return outs
-
-
-def unfused_mrs(a, b, dim, lanes=None):
-    """The runtime's unfused path: each member's compute step ends in torch.mm (on its own lane),
-    then the group's reduce_scatter (fastpipe.runtime.execute.group_fn -> fastpipe.comm.reduce_scatter)."""
-    parts = on_lanes([lambda x=x, y=y: torch.mm(x, y) for x, y in zip(a, b)], lanes)
-    return comm.reduce_scatter(parts, "sum", dim, [x.device for x in a])
-
-
-def unfused_agm(a, b, dim, lanes=None):
-    """The runtime's unfused path: the group's all_gather (one gathered copy per member), then each
-    member's compute step's torch.mm (on its own lane)."""
-    full = comm.all_gather(a, dim, [x.device for x in a])
-    return on_lanes([lambda f=f, bj=bj: torch.mm(f, bj) for f, bj in zip(full, b)], lanes)
-
-
 def reference_f32(kernel, a, b, dim) -> tuple[list, list]:
     """(float32 results, mags) from the same inputs upcast: what every variant is checked against."""
     n = len(a)
@@ -294,7 +263,7 @@ def check_variant(kernel, variant, outs, refs, mags, dtype, device) -> float:
 
 def variants(kernel, M, NK, n, dim, dtype, device, lanes=None):
     """(a, b, fns by variant, split, K_total, N) for one case, or None where the split is not
-    divisible by n; lanes: the unfused members' streams (on_lanes)."""
+    divisible by n; lanes: the unfused members' streams (fastpipe.runtime.unfused_path.on_lanes)."""
     if not splits_evenly(kernel, M, NK, n, dim):
         return None
     if kernel == "matmul_reduce_scatter":
@@ -302,7 +271,7 @@ def variants(kernel, M, NK, n, dim, dtype, device, lanes=None):
         a_cat = torch.cat(a, dim=1)
         b_cat = torch.cat([x.t() for x in b], dim=1).t()  # [n*K, N], the same w.t() layout
         fns = {"fused": lambda: matmul_reduce_scatter(a, b, dim=dim),
-               "unfused": lambda: unfused_mrs(a, b, dim, lanes),
+               "unfused": lambda: unfused_path.matmul_then_reduce_scatter(a, b, dim, "sum", lanes),
                "torch.mm": lambda: torch.mm(a_cat, b_cat)}
         split = lambda out: list(torch.chunk(out, n, dim))  # noqa: E731
         return a, b, fns, split, n * NK, NK
@@ -310,7 +279,7 @@ def variants(kernel, M, NK, n, dim, dtype, device, lanes=None):
     a_cat = torch.cat(a, dim=dim)
     b_cat = torch.cat([x.t() for x in b], dim=0).t()  # [K, N]
     fns = {"fused": lambda: all_gather_matmul(a, b, dim=dim),
-           "unfused": lambda: unfused_agm(a, b, dim, lanes),
+           "unfused": lambda: unfused_path.all_gather_then_matmul(a, b, dim, lanes),
            "torch.mm": lambda: torch.mm(a_cat, b_cat)}
     split = lambda out: list(torch.split(out, [bj.shape[1] for bj in b], dim=1))  # noqa: E731
     return a, b, fns, split, NK, NK
@@ -630,7 +599,7 @@ def main(argv=None) -> int:
     print(f"{', '.join(kernels)}, dtype {args.dtype}, dim {args.dim}, all participants on {device}"
           + (" (SMOKE RUN: interpreter, timings meaningless)" if args.smoke else ""))
     cases = case_order(kernels, nks, ns, ms)
-    lanes = [torch.cuda.Stream(device) for _ in range(max(ns))] if device.type == "cuda" else None
+    lanes = unfused_path.lanes_for(device, max(ns))
     rows, not_run, t0 = [], [], time.perf_counter()
     warmup = None
     workers = args.compile_workers if args.compile_workers is not None else compile_pool.default_workers(device)

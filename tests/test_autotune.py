@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from fastpipe.cli import main
-from fastpipe.kernels import KernelConfig, all_gather_matmul, autotune, calls, matmul_reduce_scatter, tuned
+from fastpipe.kernels import (KernelConfig, all_gather_matmul, autotune, calls, fusion_rule, matmul_reduce_scatter,
+                              tuned)
 from fastpipe.runtime import kernel_timing
 from tests.examples import GRAPHS
 from tests.test_fusion import needs_cpu_kernels
@@ -122,6 +123,37 @@ def test_replay_ms_on_cpu_times_three_eager_runs():
     assert len(ran) == 3 and ms >= 0 and timing == "eager (CPU)"
 
 
+def test_fusion_point_times_the_fused_kernel_against_the_unfused_path():
+    """One recorded call's point for the fusion rule (interpreted kernel, eager CPU timings: only the fields and
+    their consistency are checked); the fused call runs under the config given."""
+    needs_cpu_kernels()
+    call = _recorded_mrs()
+    cfg = KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1)
+    ran = []
+    p = kernel_timing.fusion_point(call, cfg, "2026-12-01",
+                                   stats=lambda fn, device: ran.append(fn()) or kernel_timing.replay_stats(fn, device))
+    assert len(ran) == 2 and [len(r) for r in ran] == [2, 2]             # the fused call's outputs, the unfused path's
+    torch.testing.assert_close(ran[0], ran[1], rtol=1e-5, atol=1e-5)      # float32: the same sums
+    assert {k: p[k] for k in ("device", "kernel", "dim", "dtype", "M", "N", "K_total", "n", "date", "config",
+                              "timing")} == {
+        "device": "cpu", "kernel": "matmul_reduce_scatter", "dim": 0, "dtype": "float32", "M": 16, "N": 32,
+        "K_total": 64, "n": 2, "date": "2026-12-01", "config": cfg.text(), "timing": "eager (CPU)"}
+    assert p["fused_wins"] == (p["fused_p80"] < p["unfused_p20"]) and p["revision"] == 1
+    assert p["fused_p20"] <= p["fused_ms"] <= p["fused_p80"] and p["unfused_p20"] <= p["unfused_ms"] <= p["unfused_p80"]
+    assert p["speedup"] == pytest.approx(p["unfused_ms"] / p["fused_ms"], rel=1e-2, abs=1e-3)   # 3 decimals kept
+    fusion_rule.parse_table({"format": 1, "points": [p]}, "p")                # a valid point of the rule's table
+
+
+def test_with_fusion_points_replaces_the_points_of_the_same_gpu_and_shape():
+    def point(M, device="GPU X", wins=True):
+        return {"device": device, "kernel": "matmul_reduce_scatter", "dim": 0, "dtype": "bfloat16", "M": M,
+                "N": 4096, "K_total": 8192, "n": 2, "speedup": 1.2, "fused_wins": wins, "revision": 1}
+    doc = {"format": 1, "entries": [], "fusion": [point(16), point(128), point(16, "GPU Y")]}
+    got = autotune.with_fusion_points(doc, [point(16, wins=False), point(1024)])
+    assert got["fusion"] == [point(16, wins=False), point(128), point(1024), point(16, "GPU Y")]
+    assert autotune.with_fusion_points({"format": 1, "entries": []}, []) == {"format": 1, "entries": []}
+
+
 def _result(M, ms, heuristic_ms, best=KernelConfig(64, 128, 64), check=True, device="GPU X"):
     call = calls.KernelCall("matmul_reduce_scatter", 0, "sum", "bfloat16", (((M, 4096), (4096, 1)),) * 2,
                             (((4096, 4096), (1, 4096)),) * 2, "cuda:0")
@@ -149,17 +181,33 @@ def _cli(capsys, *args):
     return code, out, err
 
 
+def _stats(times):
+    """A fake replay_stats: the calls it times get (median, p20, p80) from ``times`` in turn; each still runs."""
+    times = iter(times)
+
+    def stats(fn, device, quick=False):
+        fn()
+        return (*next(times), "fake")
+    return stats
+
+
 def test_cli_tunes_the_pipelines_calls_and_merges_into_its_table(capsys, tmp_path, monkeypatch):
     """seq_parallel's two fused groups on CPU (the interpreter), a fake timer under which a 16x16x16 tile wins:
-    both calls get an entry; a second run merges (same keys replaced, others kept)."""
+    both calls get an entry; a second run merges (same keys replaced, others kept). Each call's fused kernel
+    is then timed against the unfused path (a fake timer again: all_gather_matmul's wins, matmul_reduce_scatter's
+    loses), and the points land in the table's "fusion" list."""
     needs_cpu_kernels()
     monkeypatch.delenv("FASTPIPE_TUNED_CONFIGS", raising=False)
     fast = KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1)
     monkeypatch.setattr(kernel_timing, "time_config", _timer({fast.text(): 1.0}))
+    fused_wins, fused_loses = [(1.0, 0.9, 1.1), (2.0, 1.9, 2.1)], [(2.0, 1.9, 2.1), (1.0, 0.9, 1.1)]
+    monkeypatch.setattr(kernel_timing, "replay_stats", _stats(fused_wins + fused_loses))
     out = tmp_path / "tuned.json"
     other = {"launcher": "mm_sum", "device": "GPU X", "dtype": "bfloat16", "M": 16, "N": 4096, "K": 4096, "n": 2,
              "config": {"block_m": 16, "block_n": 64, "block_k": 64}}
-    out.write_text(json.dumps({"format": 1, "entries": [other]}))
+    other_point = {"device": "GPU X", "kernel": "matmul_reduce_scatter", "dim": 0, "dtype": "bfloat16", "M": 16,
+                   "N": 4096, "K_total": 8192, "n": 2, "speedup": 1.2, "fused_wins": True, "revision": 1}
+    out.write_text(json.dumps({"format": 1, "entries": [other], "fusion": [other_point]}))
     code, stdout, err = _cli(capsys, "tune", SEQ, "--out", out, "--compile-workers", "2")
     assert code == 0, err
     lines = stdout.splitlines()
@@ -170,19 +218,61 @@ def test_cli_tunes_the_pipelines_calls_and_merges_into_its_table(capsys, tmp_pat
                                "1.0000 ms vs the heuristic's 16x32x32 w4 s1 10.0000 ms (10.00x, ")
     assert lines[2].startswith("  matmul_reduce_scatter dim 0 (mm_sum M=16 N=32 K=32 n=2 float32): 16x16x16")
     assert all(line.endswith("): kept") for line in lines[1:3])
-    assert lines[3] == f"wrote {out}: 2 of 2 tuned calls beat the heuristic by more than 3%; 3 entries in all"
-    assert lines[4] == f"pick_config reads it where FASTPIPE_TUNED_CONFIGS={out}"
+    # the fused kernels under the configs just kept, against the unfused path; in the fusion rule's terms
+    assert lines[3] == ('  fusion: all_gather_matmul dim 0 M=16 N=64 K_total=32 n=2 float32: fused (16x16x16 w4 s1) '
+                        '1.0000 ms (0.9000-1.1000) vs unfused 2.0000 ms (1.9000-2.1000), 2.00x (fake): fuse="auto" '
+                        'fuses it')
+    assert lines[4].startswith('  fusion: matmul_reduce_scatter dim 0 M=16 N=32 K_total=64 n=2 float32: fused '
+                               '(16x16x16 w4 s1) 2.0000 ms (1.9000-2.1000) vs unfused 1.0000 ms (0.9000-1.1000), 0.50x '
+                               '(fake): fuse="auto" runs it unfused (the fused kernel is not faster beyond the noise')
+    assert lines[5] == (f"wrote {out}: 2 of 2 tuned calls beat the heuristic by more than 3%; 3 entries in all; "
+                        f"2 fused-vs-unfused points (1 fused faster)")
+    assert lines[6] == f"pick_config reads it where FASTPIPE_TUNED_CONFIGS={out}"
     doc = json.loads(out.read_text())
     assert doc["entries"][0] == other
     assert {(e["launcher"], e["device"], e["M"], e["N"], e["K"], e["n"]) for e in doc["entries"][1:]} == {
         ("gather_rows", "cpu", 16, 32, 32, 2), ("mm_sum", "cpu", 16, 32, 32, 2)}
     tuned.parse_table(doc, str(out))
-    # again, where FASTPIPE_TUNED_CONFIGS names the file and the heuristic now wins: its entries go, `other` stays
+    points = fusion_rule.parse_tuned_points(doc, str(out))
+    assert points.pop(0) == {**other_point, "from": str(out)}                # kept: another GPU's point
+    assert [(p["kernel"], p["M"], p["N"], p["K_total"], p["n"], p["fused_wins"], p["speedup"]) for p in points] == [
+        ("all_gather_matmul", 16, 64, 32, 2, True, 2.0), ("matmul_reduce_scatter", 16, 32, 64, 2, False, 0.5)]
+    assert {(p["device"], p["dtype"], p["revision"], p["config"]) for p in points} == {
+        ("cpu", "float32", fusion_rule.KERNEL_REVISIONS[p["kernel"]], fast.text()) for p in points}
+    # again, where FASTPIPE_TUNED_CONFIGS names the file and the heuristic now wins: its entries go, `other` stays;
+    # the fusion points of the same shapes are replaced (now the unfused path wins both)
     monkeypatch.setenv("FASTPIPE_TUNED_CONFIGS", str(out))
     monkeypatch.setattr(kernel_timing, "time_config", _timer({}))
+    monkeypatch.setattr(kernel_timing, "replay_stats", _stats(fused_loses + fused_loses))
     code, stdout, _ = _cli(capsys, "tune", SEQ)
-    assert code == 0 and "pick_config reads it" not in stdout
-    assert json.loads(out.read_text())["entries"] == [other]
+    assert code == 0 and "pick_config reads it" not in stdout and "(16x32x32 w4 s1)" in stdout
+    doc = json.loads(out.read_text())
+    assert doc["entries"] == [other] and [p["fused_wins"] for p in doc["fusion"]] == [True, False, False]
+
+
+def test_fuse_auto_follows_the_points_fastpipe_tune_measured(capsys, tmp_path, monkeypatch):
+    """The points `fastpipe tune` wrote decide fuse="auto" for the same pipeline (the exact shapes the fusion
+    pass asks about: fastpipe.runtime.fuse and KernelCall.rule_shape agree), quoting the file; without the
+    table, float32 (never measured by the bench) is not fused."""
+    needs_cpu_kernels()
+    import fastpipe
+    from fastpipe.runtime import fuse
+
+    monkeypatch.delenv("FASTPIPE_TUNED_CONFIGS", raising=False)
+    sess = fastpipe.load(SEQ, fuse="off")
+    cuda = {s: torch.device("cuda:0") for s in sess.slot_devices}
+    assert [d.fused for d in fuse.analyze(sess.checked, cuda, "auto")] == [False, False]
+    monkeypatch.setattr(kernel_timing, "time_config", _timer({}))
+    monkeypatch.setattr(kernel_timing, "replay_stats", _stats([(1.0, 0.9, 1.1), (2.0, 1.9, 2.1)] * 2))
+    out = tmp_path / "tuned.json"
+    assert _cli(capsys, "tune", SEQ, "--out", out, "--compile-workers", "0")[0] == 0
+    monkeypatch.setenv("FASTPIPE_TUNED_CONFIGS", str(out))
+    got = {d.group: d for d in fuse.analyze(sess.checked, cuda, "auto")}
+    assert got["ag0"].fused and got["rs0"].fused
+    today = json.loads(out.read_text())["fusion"][0]["date"]
+    assert got["ag0"].reason.endswith(f"measured at this shape: 2.00x faster than unfused at M=16 N=64 K_total=32 "
+                                      f"n=2, float32 dim 0, on cpu {today} by fastpipe tune ({out})")
+    assert "M=16 N=32 K_total=64 n=2, float32 dim 0, on cpu" in got["rs0"].reason
 
 
 def test_cli_refusals_leave_the_table_alone(capsys, tmp_path, monkeypatch):
@@ -233,6 +323,14 @@ def test_gpu_tune_writes_a_table_pick_config_then_follows(capsys, tmp_path, monk
     for e in doc["entries"]:
         got = pick_config(e["M"], e["N"], e["K"], getattr(torch, e["dtype"]), "cuda", launcher=e["launcher"], n=e["n"])
         assert got == KernelConfig(**e["config"])
+    # each call's fused kernel against the unfused path, both replayed graphs; fuse="auto" then follows the points
+    gpu = fusion_rule.gpu_name("cuda:0")
+    points = fusion_rule.parse_tuned_points(doc, str(out))
+    assert len(points) == 2 and stdout.count("  fusion: ") == 2 and {p["device"] for p in points} == {gpu}
+    assert {p["timing"] for p in points} == {"graph"} and all(p["fused_ms"] > 0 < p["unfused_ms"] for p in points)
+    for p in points:
+        e = fusion_rule.estimate(p["kernel"], p["M"], p["N"], p["K_total"], p["n"], p["dtype"], p["dim"], gpu)
+        assert e.fused == p["fused_wins"] and e.reason.endswith(f"by fastpipe tune ({out})"), e.reason
 
 
 def test_cli_says_so_when_the_fused_run_called_no_kernel(capsys, tmp_path, monkeypatch):

@@ -260,32 +260,6 @@ def test_on_gpu_every_variant_is_timed_and_checked_as_a_graph_replay(tmp_path):
         assert row["fused_ms"] > 0 and row["unfused_ms"] > 0 and row["torch.mm_ms"] > 0
 
 
-def test_lanes_fork_and_join_only_the_members_own(monkeypatch):
-    """n members on n of the lanes: a lane not forked from the capture stream must not be joined
-    (its event would lie outside the capture and invalidate it)."""
-    import contextlib
-
-    import bench.bench_fused_kernels as b
-
-    log = []
-
-    class Lane:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            log.append((self.name, "waits", other.name))
-
-    cur = Lane("capture")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: cur)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    lanes = [Lane(f"lane{i}") for i in range(4)]
-    assert b.on_lanes([lambda: 1, lambda: 2], lanes) == [1, 2]
-    assert log == [("lane0", "waits", "capture"), ("lane1", "waits", "capture"),
-                   ("capture", "waits", "lane0"), ("capture", "waits", "lane1")]
-    assert b.on_lanes([lambda: 3], None) == [3]
-
-
 def test_a_failing_tuning_keeps_its_rows_timings(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "tune.json"

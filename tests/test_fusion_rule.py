@@ -228,7 +228,7 @@ def test_each_gpu_follows_its_own_measurements(two_gpu_table):
     ag = estimate(AGM, r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, gpu=h100)
     assert ag.fused and "on NVIDIA H200 2026-11-26" in ag.reason
     assert ag.reason.endswith(f"; this GPU ({h100}) was not measured: another GPU's measurement decides until "
-                              "`scripts/gpu_check.sh fused` measures this one"), ag.reason
+                              "`scripts/gpu_check.sh fused` or `fastpipe tune` measures this one"), ag.reason
 
 
 def test_an_unmeasured_gpu_fuses_only_where_every_measured_gpu_won(two_gpu_table):
@@ -240,3 +240,66 @@ def test_an_unmeasured_gpu_fuses_only_where_every_measured_gpu_won(two_gpu_table
         assert f"0.50x, not faster than unfused at M=16 N=4096 K_total=8192 n=2 on {h100} 2026-11-27; " in e.reason
         assert "1.29x faster than unfused at M=16 N=4096 K_total=8192 n=2 on NVIDIA H200 2026-11-26, " in e.reason
         assert ("was not measured" in e.reason) == (gpu is not None)
+
+
+def _tuned_table(tmp_path, monkeypatch, points):
+    """A tuned-config table (fastpipe tune's) with these "fusion" points, named by FASTPIPE_TUNED_CONFIGS."""
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"format": 1, "entries": [], "fusion": points}))
+    monkeypatch.setenv("FASTPIPE_TUNED_CONFIGS", str(path))
+    return path
+
+
+def _point(r, **over):
+    return {**{f: r[f] for f in ("device", "kernel", "dim", "dtype", "M", "N", "K_total", "n")},
+            "speedup": 0.8, "fused_wins": False, "revision": 1, "date": "2026-12-01", **over}
+
+
+def test_a_point_fastpipe_tune_measured_replaces_the_benchs_at_its_shape(tmp_path, monkeypatch):
+    """A pipeline's own measurement (the tuned table's "fusion" list) takes the place of the shipped point
+    of the same GPU and shape, and the reason names the file; elsewhere both sets of points decide together."""
+    r = next(r for r in ROWS if r["kernel"] == MRS and r["M"] == 16 and fused_wins(r))
+    shape = (MRS, r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, 0, r["device"])
+    assert estimate(*shape).fused
+    path = _tuned_table(tmp_path, monkeypatch, [_point(r)])
+    e = estimate(*shape)
+    assert not e.fused and e.reason == (f"measured at this shape: 0.80x, not faster than unfused at M=16 N={r['N']} "
+                                        f"K_total={r['K_total']} n={r['n']}, bfloat16 dim 0, on NVIDIA H200 "
+                                        f"2026-12-01 by fastpipe tune ({path})")
+    # M 32's nearest point is the tuned one at M 16 (log2 distance 1; the bench's M 128 is 2 away): unfused now
+    assert not fused_is_faster(32, r["N"], r["K_total"], r["n"], torch.bfloat16, kernel=MRS, gpu=r["device"])
+    # with no GPU named too (every GPU's points, the tuned one in place of the bench's)
+    assert not fused_is_faster(16, r["N"], r["K_total"], r["n"], torch.bfloat16, kernel=MRS, gpu=None)
+    monkeypatch.delenv("FASTPIPE_TUNED_CONFIGS")
+    assert estimate(*shape).fused
+
+
+def test_float16_and_bfloat16_points_serve_each_other(tmp_path, monkeypatch):
+    r = next(r for r in ROWS if r["kernel"] == MRS and r["M"] == 16 and fused_wins(r))
+    _tuned_table(tmp_path, monkeypatch, [_point(r, dtype="float16")])
+    for dtype, also in ((torch.bfloat16, " (bfloat16 uses the float16 measurement too)"),
+                        (torch.float16, " (float16 uses the bfloat16 measurement too)")):
+        e = estimate(MRS, r["M"], r["N"], r["K_total"], r["n"], dtype, 0, r["device"])
+        # equally near: the tuned float16 point (lost) and the shipped bfloat16 one (won): fused only if both won
+        assert not e.fused and e.reason.startswith("measured at this shape: 0.80x, not faster"), e.reason
+        assert f"; {round(r['speedup'], 3):.2f}x faster than unfused at M=16 " in e.reason
+        assert " on NVIDIA H200 2026-12-01 by fastpipe tune (" in e.reason and " on NVIDIA H200 2026-11-26" in e.reason
+        assert e.reason.endswith(also), e.reason
+
+
+def test_a_bad_fusion_list_is_reported_once_and_the_shipped_points_decide(tmp_path, monkeypatch):
+    import warnings
+
+    r = next(r for r in ROWS if r["kernel"] == MRS and r["M"] == 16 and fused_wins(r))
+    _tuned_table(tmp_path, monkeypatch, [_point(r, fused_wins="no")])
+    shape = (MRS, r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, 0, r["device"])
+    with pytest.warns(RuntimeWarning, match=r"^fastpipe: the fusion points of the tuned-config table not used: "
+                                            r".*tuned\.json: fusion\[0\]\.fused_wins: expected true or false, found "
+                                            r"'no'; fuse='auto' decides from the shipped measurements$"):
+        assert estimate(*shape).fused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert estimate(*shape).fused                      # once per file version
+    with pytest.raises(ValueError, match=r"^t\.json: fusion\[0\]\.date: expected the date it was measured"):
+        fusion_rule.parse_tuned_points({"format": 1, "entries": [], "fusion": [_point(r, date=20261201)]}, "t.json")
+    assert fusion_rule.parse_tuned_points({"format": 1, "entries": []}, "t.json") == []

@@ -82,11 +82,14 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--slot-ranks", metavar="MAP", help="slot -> rank, e.g. 0=0,1=0,2=1,3=1 (default: contiguous blocks)")
     r.add_argument("--dist-timeout", type=float, default=120.0, metavar="S",
                    help="seconds any collective may wait before the run fails (default 120)")
-    t = sub.add_parser("tune", help="measure the fused kernels' launch configs for this pipeline's shapes on this GPU",
+    t = sub.add_parser("tune", help="measure the fused kernels' launch configs, and whether fusing pays, for this "
+                                    "pipeline's shapes on this GPU",
                        description="Run the pipeline once with every fusable group fused (seeded random inputs), "
                                    "time each distinct fused-kernel call under the candidate launch configs and the "
-                                   "heuristic's (replayed CUDA graphs), and write the configs that beat the heuristic "
-                                   "to the table pick_config reads (FASTPIPE_TUNED_CONFIGS), merged with what it held.")
+                                   "heuristic's (replayed CUDA graphs), then the fused kernel against the runtime's "
+                                   "unfused path, and write the configs that beat the heuristic and the fused-vs-"
+                                   "unfused points to the table pick_config and fuse='auto' read "
+                                   "(FASTPIPE_TUNED_CONFIGS), merged with what it held.")
     common(t)
     t.add_argument("--out", metavar="FILE",
                    help="the tuned-config table to write, merged with its entries if it exists (default: "

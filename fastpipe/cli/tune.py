@@ -1,13 +1,16 @@
-"""`fastpipe tune`: launch configs for this pipeline's fused-kernel calls, measured on this GPU.
+"""`fastpipe tune`: launch configs for this pipeline's fused-kernel calls, and whether fusing them pays, measured
+on this GPU.
 
 Loads the pipeline with every fusable group fused (fuse="always", eager, no CUDA graph), runs it once on
 seeded random inputs while recording the fused-kernel calls (fastpipe.kernels.calls), compiles every
 (call, config) it will time in --compile-workers processes (fastpipe.kernels.compile_pool), tunes each
-distinct call (fastpipe.kernels.autotune.tune) and writes the table pick_config reads
-(fastpipe.kernels.tuned) to --out, merged with what that file held (or, for a new file, with the table
-in use now). Exit 0 when every call was tuned, 1 when one could not be (the others are written), 2 on bad
-input (no GPU, an unreadable --out table, a pipeline with nothing to fuse is not an error: nothing is
-written).
+distinct call (fastpipe.kernels.autotune.tune), then times each call's fused kernel under the config the
+new table gives it against the runtime's unfused path (fastpipe.runtime.kernel_timing.fusion_point). It
+writes the table pick_config reads (fastpipe.kernels.tuned) and fuse="auto" consults
+(fastpipe.kernels.fusion_rule: its "fusion" points) to --out, merged with what that file held (or, for a
+new file, with the table in use now). Exit 0 when every call was tuned and measured, 1 when one could not
+be (the others are written), 2 on bad input (no GPU, an unreadable --out table; a pipeline with nothing
+to fuse is not an error: nothing is written).
 """
 from __future__ import annotations
 
@@ -80,12 +83,56 @@ def cmd_tune(args) -> int:
         for s in r.skipped:
             print(f"    could not run: {s}")
     doc, kept = autotune.merged_table(base, results, args.min_gain)
+    points, unmeasured = _fusion_points(made, tuned.parse_table(doc, out))
+    doc = autotune.with_fusion_points(doc, points)
     write_text(out, json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}: {kept} of {len(results)} tuned calls beat the heuristic by more than {args.min_gain:.0%}; "
-          f"{len(doc['entries'])} entries in all")
+          f"{len(doc['entries'])} entries in all; {len(points)} fused-vs-unfused points "
+          f"({sum(p['fused_wins'] for p in points)} fused faster)")
     if tuned.table_path().resolve() != Path(out).resolve():
         print(f"pick_config reads it where FASTPIPE_TUNED_CONFIGS={out}")
-    return EXIT_FAILED if failed else 0
+    return EXIT_FAILED if failed or unmeasured else 0
+
+
+def _fusion_points(made, table: dict) -> tuple[list[dict], int]:
+    """(fastpipe.kernels.fusion_rule points for the recorded calls, how many could not be measured): each call's
+    fused kernel under the config pick_config will take from the table being written, against the runtime's
+    unfused path, so that fuse="auto" decides from this pipeline's own shapes on this GPU."""
+    import datetime
+
+    import torch
+
+    from fastpipe.kernels import autotune, tuned
+    from fastpipe.kernels.fusion_rule import gpu_name
+    from fastpipe.runtime import kernel_timing
+
+    date = datetime.date.today().isoformat()
+    points, failed = [], 0
+    for call in made:
+        config = None                                     # different launches per output: pick_config's each
+        if _tunable(call):
+            launcher, M, N, K, n = call.launch()
+            device = gpu_name(call.device) or torch.device(call.device).type        # as Tuned names it
+            config = tuned.lookup_in(table, launcher, M, N, K, n, call.dtype, device) or autotune.heuristic(call)
+        try:
+            p = kernel_timing.fusion_point(call, config, date)
+        except Exception as e:  # noqa: BLE001 - reported with the call; the others are still measured
+            failed += 1
+            print(f"  fusion not measured: {call.text()}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            continue
+        points.append(p)
+        print(f"  {_point_line(p)}")
+    return points, failed
+
+
+def _point_line(p: dict) -> str:
+    verdict = ('fuse="auto" fuses it' if p["fused_wins"] else
+               'fuse="auto" runs it unfused (the fused kernel is not faster beyond the noise: its p80 is not below '
+               "the unfused path's p20)")
+    return (f"fusion: {p['kernel']} dim {p['dim']} M={p['M']} N={p['N']} K_total={p['K_total']} n={p['n']} "
+            f"{p['dtype']}: fused ({p['config']}) {p['fused_ms']:.4f} ms ({p['fused_p20']:.4f}-{p['fused_p80']:.4f}) "
+            f"vs unfused {p['unfused_ms']:.4f} ms ({p['unfused_p20']:.4f}-{p['unfused_p80']:.4f}), {p['speedup']:.2f}x "
+            f"({p['timing']}): {verdict}")
 
 
 def _tunable(call) -> bool:
@@ -99,6 +146,7 @@ def _tunable(call) -> bool:
 def _base_table(out: Path, in_use: Path) -> dict | None:
     """What the new table starts from: --out's own entries where it exists (refused if it is not a valid table:
     it is not overwritten), else the table in use now (the packaged one or $FASTPIPE_TUNED_CONFIGS), if any."""
+    from fastpipe.kernels.fusion_rule import parse_tuned_points
     from fastpipe.kernels.tuned import parse_table
 
     path = out if out.exists() else in_use
@@ -107,6 +155,7 @@ def _base_table(out: Path, in_use: Path) -> dict | None:
     try:
         doc = json.loads(path.read_text())
         parse_table(doc, str(path))
+        parse_tuned_points(doc, str(path))
     except (OSError, ValueError) as e:
         what = "--out" if path == out else "the tuned-config table in use"
         raise InputError(f"{what}: expected a tuned-config table (fastpipe.kernels.tuned) to merge into, found "

@@ -206,4 +206,17 @@ def merged_table(base: dict | None, results: list[Tuned], min_gain: float = MIN_
     entries += [{"launcher": r.launcher, "device": r.device, "dtype": r.call.dtype, "M": r.M, "N": r.N, "K": r.K,
                  "n": r.n, "config": dataclasses.asdict(r.best), "ms": round(r.ms, 5),
                  "heuristic_ms": round(r.heuristic_ms, 5)} for r in kept]
-    return {"format": 1, "entries": entries}, len(kept)
+    doc = {"format": 1, "entries": entries}
+    if (base or {}).get("fusion"):
+        doc["fusion"] = base["fusion"]
+    return doc, len(kept)
+
+
+def with_fusion_points(doc: dict, points: list[dict]) -> dict:
+    """The table with ``points`` (fastpipe.runtime.kernel_timing.fusion_point's) in its "fusion" list, in place
+    of the points it had for the same GPU and shape (fastpipe.kernels.fusion_rule.point_key), sorted."""
+    from fastpipe.kernels.fusion_rule import point_key
+
+    now = {point_key(p) for p in points}
+    fusion = [p for p in doc.get("fusion", []) if point_key(p) not in now] + list(points)
+    return {**doc, "fusion": sorted(fusion, key=point_key)} if fusion else doc

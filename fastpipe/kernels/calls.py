@@ -54,6 +54,18 @@ class KernelCall:
                              "of different shapes")
         return "mm_sum", self.a[0][0][0], widths.pop(), kmax, n
 
+    def rule_shape(self) -> tuple[int, int, int, int]:
+        """(M, N, K_total, n) as fastpipe.kernels.fusion_rule measures the group (the bench's terms, which
+        fastpipe.runtime.fuse asks in): the whole product [M, K_total] @ [K_total, N]; for
+        matmul_reduce_scatter K_total sums the members' K, for all_gather_matmul N sums their widths."""
+        n = len(self.a)
+        widths = sum(s[1] for s, _ in self.b)
+        if self.kernel == "matmul_reduce_scatter":
+            return self.a[0][0][0], self.b[0][0][1], sum(s[1] for s, _ in self.a), n
+        if self.dim == 0:
+            return sum(s[0] for s, _ in self.a), widths, self.a[0][0][1], n
+        return self.a[0][0][0], widths, sum(s[1] for s, _ in self.a), n
+
     def operands(self, seed: int = 0) -> tuple[list, list]:
         """Fresh random a and b of the recorded shapes and strides on the call's device (contiguous where
         strides overlap)."""

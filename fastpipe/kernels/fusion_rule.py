@@ -18,8 +18,8 @@ A tie, or a win inside the noise, goes to the unfused path.
 
 A call (kernel, M, N, K_total, n, dtype, dim, gpu) takes the decision of the measured point
 nearest to it, distance being the sum of |log2| ratios of M, N, K_total and n, among the points
-of the same kernel, dim and dtype (float16 uses bfloat16's points: the same element size and
-kernel) measured on this GPU (below); where several points are equally near, it fuses only if
+of the same kernel, dim and dtype (float16 and bfloat16 use each other's points: the same element
+size and kernel) measured on this GPU (below); where several points are equally near, it fuses only if
 all of them won. So between two measured M the nearer one (in log scale) decides, and beyond
 the measured grid the edge does: M = 1 takes M = 16's decision. No point for the kernel, dim
 and dtype (float32, say, or dim 1 before anyone measured it): not fused, and the reason says
@@ -36,6 +36,15 @@ its own (the exact name) uses only those; on a GPU with none, or with no GPU nam
 of every GPU measured decide together (equally near points of two GPUs fuse only if both won),
 and the reason says this GPU was not measured.
 
+Points measured at a pipeline's own shapes join them: ``fastpipe tune`` writes them, with their times,
+into the tuned-config table's "fusion" list (fastpipe.kernels.tuned; the table in use, so
+``$FASTPIPE_TUNED_CONFIGS``). A point of the same GPU and shape replaces the shipped one, and the
+reason names the file. A bad list is reported once and the shipped points decide.
+
+The shape is the whole product's, as the bench measures it (``KernelCall.rule_shape``): M rows, N columns
+(for all_gather_matmul every member's width summed) and K_total (for matmul_reduce_scatter every member's K
+summed).
+
 Every decision comes with its evidence (``estimate(...).reason``): the point it took, its speedup
 and the GPU (and date) that measured it.
 """
@@ -47,7 +56,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastpipe.kernels.measured_doc import check_choice, check_positive_ints, entries
+from fastpipe.kernels.measured_doc import check_choice, check_positive_ints, entries, read_cached
 
 KERNELS = ("matmul_reduce_scatter", "all_gather_matmul")
 PACKAGED = Path(__file__).with_name("fusion_measured.json")
@@ -77,6 +86,11 @@ class Estimate:
 def fused_wins(row: dict) -> bool:
     """One bench row's verdict: the fused kernel faster than the unfused path beyond the noise."""
     return row["fused_p80"] < row["unfused_p20"]
+
+
+def point_key(p: dict) -> tuple:
+    """What one point measured: the GPU and the shape (device, kernel, dim, dtype, M, N, K_total, n)."""
+    return tuple(p[f] for f in _KEY_FIELDS)
 
 
 def _dtype_name(dtype) -> str:
@@ -115,7 +129,7 @@ def newest_rows(rows: list[dict]) -> list[dict]:
         if not r.get("device"):
             raise ValueError(f"rows: {dict((f, r.get(f)) for f in _SHAPE_FIELDS)} names no GPU (device): the "
                              "result file's machine.device names it")
-        key = tuple(r[f] for f in _KEY_FIELDS)
+        key = point_key(r)
         had = by_shape.get(key)
         if had is None or row_revision(had) <= row_revision(r):
             by_shape[key] = r
@@ -152,18 +166,37 @@ def dump_table(doc: dict) -> str:
     return json.dumps(head, indent=1)[:-2] + ',\n "points": [\n' + body + "\n ]\n}\n"
 
 
-def parse_table(doc, where: str) -> list[dict]:
-    """The points of a table document; ValueError naming the field (its JSON path) on a bad one."""
+def parse_table(doc, where: str, key: str = "points") -> list[dict]:
+    """The points of a table document (under ``key``: "points" in the shipped table, "fusion" in a tuned
+    table); ValueError naming the field (its JSON path) on a bad one."""
     points = []
-    for at, p in entries(doc, where, "points", _POINT_FIELDS):
+    for at, p in entries(doc, where, key, _POINT_FIELDS):
         check_choice(p, at, "kernel", KERNELS)
         if not isinstance(p["device"], str) or not p["device"]:
             raise ValueError(f"{at}.device: expected the GPU's name (NVIDIA H200, ...), found {p['device']!r}")
         check_positive_ints(p, at, ("M", "N", "K_total", "n", "revision"))
         if not isinstance(p["fused_wins"], bool):
             raise ValueError(f"{at}.fused_wins: expected true or false, found {p['fused_wins']!r}")
+        if not isinstance(p.get("date", ""), str):
+            raise ValueError(f"{at}.date: expected the date it was measured (YYYY-MM-DD), found {p['date']!r}")
         points.append(p)
     return points
+
+
+def parse_tuned_points(doc, where: str) -> list[dict]:
+    """The fused-vs-unfused points ``fastpipe tune`` measured, from a tuned-config table (its optional
+    "fusion" list; fastpipe.kernels.tuned), each tagged with the file it came from (``from``)."""
+    if isinstance(doc, dict) and "fusion" not in doc:
+        return []
+    return [{**p, "from": where} for p in parse_table(doc, where, "fusion")]
+
+
+def _tuned_points() -> list[dict]:
+    """Those of the tuned-config table in use ($FASTPIPE_TUNED_CONFIGS, else the packaged one), if any."""
+    from fastpipe.kernels.tuned import table_path
+
+    return read_cached(table_path(), parse_tuned_points, [], "the fusion points of the tuned-config table",
+                       "fuse='auto' decides from the shipped measurements")
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,7 +221,8 @@ def _shape(p: dict) -> str:
 def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int = 0,
              gpu: str | None = None) -> Estimate:
     """The decision for one fusable group and its reason (see the module docstring).
-    kernel: "matmul_reduce_scatter" | "all_gather_matmul"; M: the matmul's rows; N: its columns;
+    kernel: "matmul_reduce_scatter" | "all_gather_matmul"; M: the matmul's rows; N: its columns (for
+    all_gather_matmul the members' widths summed: the bench's [M, K] @ [K, N] of n [K, N/n] weights);
     K_total: the summed K (n * K_i for matmul_reduce_scatter, K for all_gather_matmul); n:
     participants; dtype: a torch dtype (or its name); dim: the kernel's scatter/gather dim (0: row
     blocks, 1: column blocks); gpu: the name of the GPU it runs on (``gpu_name``), None: any."""
@@ -199,31 +233,44 @@ def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int 
             raise ValueError(f"{name}: expected an integer >= 1, found {v!r}")
     if n < 2:
         return Estimate(False, "one participant: there is nothing to reduce or gather")
-    points, dates = _shipped()
+    shipped, dates = _shipped()
     want = _dtype_name(dtype)
     as_dtype = _SAME_AS.get(want, want)
-    mine = [p for p in points if p["kernel"] == kernel and p["dim"] == dim and p["dtype"] == as_dtype]
+
+    def ours(p):
+        return p["kernel"] == kernel and p["dim"] == dim and _SAME_AS.get(p["dtype"], p["dtype"]) == as_dtype
+
+    tuned = [p for p in _tuned_points() if ours(p)]
+    retuned = {point_key(p) for p in tuned}                   # a pipeline's own measurement replaces the bench's
+    mine = tuned + [p for p in shipped if ours(p) and point_key(p) not in retuned]
     if not mine:
         return Estimate(False, f"{kernel} was not measured for {want}, dim {dim} (auto fuses only where measured "
-                               f"faster; bench/bench_fused_kernels.py --dtype/--dim measures it; fuse='always' "
-                               f"forces the kernel)")
+                               f"faster; bench/bench_fused_kernels.py --dtype/--dim or `fastpipe tune` measures "
+                               f"it; fuse='always' forces the kernel)")
     here = [p for p in mine if p["device"] == gpu]
     elsewhere = "" if here or gpu is None else (
         f"; this GPU ({gpu}) was not measured: another GPU's measurement decides until `scripts/gpu_check.sh "
-        f"fused` measures this one")
+        f"fused` or `fastpipe tune` measures this one")
     scored = [(_distance(p, M, N, K_total, n), p) for p in here or mine]
     best = min(d for d, _ in scored)
     near = [p for d, p in scored if d <= best + 1e-9]
     fused = all(p["fused_wins"] for p in near)
-    on = {p["device"]: f"{p['device']} {dates.get(p['device'], '(date unknown)')}" for p in near}
-    each = len(on) > 1                    # points of several GPUs: each item names its own
+
+    def where(p):
+        if "from" in p:
+            return f"{p['device']} {p.get('date') or '(date unknown)'} by fastpipe tune ({p['from']})"
+        return f"{p['device']} {dates.get(p['device'], '(date unknown)')}"
+
+    each = len({where(p) for p in near}) > 1         # points of several GPUs or sources: each item names its own
     evidence = "; ".join(f"{p['speedup']:.2f}x" + (" faster" if p["fused_wins"] else ", not faster") +
-                         f" than unfused at {_shape(p)}" + (f" on {on[p['device']]}" if each else "") for p in near)
-    also = f" ({want} uses the {as_dtype} measurement)" if as_dtype != want else ""
+                         f" than unfused at {_shape(p)}" + (f" on {where(p)}" if each else "") for p in near)
+    used = {p["dtype"] for p in near}
+    others = sorted(used - {want})          # float16 and bfloat16 serve each other
+    also = f" ({want} uses the {' and '.join(others)} measurement{' too' if want in used else ''})" if others else ""
     exact = best == 0.0
     at = "measured at this shape" if exact else f"the nearest measured shape{'s' if len(near) > 1 else ''}"
-    where = "" if each else f", on {on[near[0]['device']]}"
-    return Estimate(fused, f"{at}: {evidence}, {as_dtype} dim {dim}{where}{also}{_staleness(kernel, near)}{elsewhere}")
+    on = "" if each else f", on {where(near[0])}"
+    return Estimate(fused, f"{at}: {evidence}, {as_dtype} dim {dim}{on}{also}{_staleness(kernel, near)}{elsewhere}")
 
 
 def _staleness(kernel: str, near: list[dict]) -> str:

@@ -1,7 +1,45 @@
 """Checks shared by the tables that GPU runs write and fastpipe.kernels reads (tuned.py's launch
 configs, fusion_rule.py's fused-vs-unfused points): a ``{"format": 1, "<list>": [...]}`` document
-whose entries are objects; every error names the field by its JSON path."""
+whose entries are objects; every error names the field by its JSON path. ``read_cached`` reads one
+such file once per version (path, mtime, size) and reports a bad one once."""
 from __future__ import annotations
+
+import json
+import threading
+import warnings
+from pathlib import Path
+
+_lock = threading.Lock()
+_cache: dict[tuple, tuple] = {}          # (path, mtime_ns, size, parse) -> (value, error)
+_warned: set[tuple] = set()
+
+
+def read_cached(path: Path, parse, default, what: str, then: str):
+    """parse(the file's JSON, str(path)) -- cached until the file changes -- or ``default`` where there is
+    no file, or where it cannot be read or parse raises ValueError: then a RuntimeWarning, once per file
+    version and parse, says "fastpipe: <what> not used: <error>; <then>"."""
+    try:
+        st = path.stat()
+    except OSError:
+        return default
+    key = (str(path), st.st_mtime_ns, st.st_size, parse)
+    with _lock:
+        hit = _cache.get(key)
+    if hit is None:
+        try:
+            hit = (parse(json.loads(path.read_text()), str(path)), None)
+        except (OSError, ValueError) as e:            # json.JSONDecodeError is a ValueError
+            hit = (default, " ".join(str(e).split())[:300])
+        with _lock:
+            _cache[key] = hit
+    value, error = hit
+    if error is not None:
+        with _lock:
+            first = key not in _warned
+            _warned.add(key)
+        if first:
+            warnings.warn(f"fastpipe: {what} not used: {error}; {then}", RuntimeWarning, stacklevel=4)
+    return value
 
 
 def entries(doc, where: str, key: str, fields: tuple[str, ...]):

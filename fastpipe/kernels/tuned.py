@@ -23,30 +23,27 @@ Elsewhere the heuristic picks: a config's fitness depends on how many tiles the 
 (ceil(M / BLOCK_M) x ceil(N / BLOCK_N) against the SMs), so one tuned at M 1024 (a 128x256 tile, 128
 tiles at N 4096) would leave most of an H100 idle at a decode's M 16 (16 tiles).
 
+``fastpipe tune``'s table may also hold a "fusion" list: the fused-vs-unfused points it measured at the
+pipeline's shapes, which fastpipe.kernels.fusion_rule reads (and checks) from the same file.
+
 Where: ``$FASTPIPE_TUNED_CONFIGS`` if set, else ``tuned_configs.json`` beside this file (shipped
 when a GPU session has measured one). No table: the heuristic. A table that cannot be read or
 has a bad entry is reported once (a warning naming the file and the field) and not used.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
 from fastpipe.kernels.launch_config import KernelConfig
-from fastpipe.kernels.measured_doc import check_choice, check_positive_ints, entries
+from fastpipe.kernels.measured_doc import check_choice, check_positive_ints, entries, read_cached
 
 LAUNCHERS = ("mm_sum", "gather_rows")
 PACKAGED = Path(__file__).with_name("tuned_configs.json")
 _FIELDS = ("launcher", "device", "dtype", "M", "N", "K", "n", "config")
-_lock = threading.Lock()
-_cache: dict[tuple, tuple] = {}          # (path, mtime_ns, size) -> (by key, error)
-_warned: set[tuple] = set()
 
 
 def table_path() -> Path:
@@ -78,31 +75,17 @@ def parse_table(doc, where: str) -> dict[tuple, list[tuple[int, object]]]:
 
 
 def _table(path: Path) -> dict:
-    try:
-        st = path.stat()
-    except OSError:
-        return {}
-    key = (str(path), st.st_mtime_ns, st.st_size)
-    with _lock:
-        hit = _cache.get(key)
-    if hit is None:
-        try:
-            hit = (parse_table(json.loads(path.read_text()), str(path)), None)
-        except (OSError, ValueError) as e:            # json.JSONDecodeError is a ValueError
-            hit = ({}, " ".join(str(e).split())[:300])
-        with _lock:
-            _cache[key] = hit
-    table, error = hit
-    if error is not None and key not in _warned:
-        _warned.add(key)
-        warnings.warn(f"fastpipe: tuned kernel configs not used: {error}; the heuristic picks the launch "
-                      "configs", RuntimeWarning, stacklevel=4)
-    return table
+    return read_cached(path, parse_table, {}, "tuned kernel configs", "the heuristic picks the launch configs")
 
 
 def lookup(launcher: str, M: int, N: int, K: int, n: int, dtype: torch.dtype, device_name: str):
     """The measured KernelConfig for this call, or None (no table, or no entry for it)."""
-    rows = _table(table_path()).get((launcher, device_name, str(dtype).replace("torch.", ""), N, K, n))
+    return lookup_in(_table(table_path()), launcher, M, N, K, n, dtype, device_name)
+
+
+def lookup_in(table: dict, launcher: str, M: int, N: int, K: int, n: int, dtype, device_name: str):
+    """``lookup`` in a parsed table (``parse_table``'s)."""
+    rows = table.get((launcher, device_name, str(dtype).replace("torch.", ""), N, K, n))
     if not rows:
         return None
     near = [(abs(math.log2(M / m)), -m, cfg) for m, cfg in rows if m / 2 < M <= 2 * m]
