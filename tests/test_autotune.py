@@ -300,8 +300,42 @@ def test_cli_refusals_leave_the_table_alone(capsys, tmp_path, monkeypatch):
 
 def test_cli_with_nothing_to_fuse_writes_nothing(capsys, tmp_path):
     code, out, _ = _cli(capsys, "tune", GRAPHS / "tp_mlp" / "pipeline.json", "--out", tmp_path / "t.json")
-    assert code == 0 and out.endswith("nothing to tune: no group fuses (0 candidate groups); wrote nothing\n")
+    assert code == 0 and out == ("tp_mlp: nothing to tune: no group fuses (0 candidate groups)\n"
+                                 "wrote nothing: no pipeline has a group to fuse\n")
     assert not (tmp_path / "t.json").exists()
+
+
+def test_cli_tunes_several_pipelines_into_one_table(capsys, tmp_path, monkeypatch):
+    """A folder stands for every */pipeline.json in it (a serving set's buckets): each pipeline is recorded in
+    turn, a call two of them make is tuned once, and one with nothing to fuse is said and passed over."""
+    needs_cpu_kernels()
+    import shutil
+
+    from tests.fusion_pipelines import sp_block
+
+    monkeypatch.setattr(kernel_timing, "time_config", _timer({}))
+    monkeypatch.setattr(kernel_timing, "replay_stats", _stats([(1.0, 0.9, 1.1)] * 8))
+    sets = tmp_path / "set"
+    sp_block(sets / "s8", S=8)
+    sp_block(sets / "s16", S=16)
+    shutil.copytree(sets / "s8", tmp_path / "copy")                     # another file, the same calls
+    out = tmp_path / "t.json"
+    code, stdout, err = _cli(capsys, "tune", sets, sets / "s8" / "pipeline.json", GRAPHS / "tp_mlp" / "pipeline.json",
+                             tmp_path / "copy" / "pipeline.json", "--out", out, "--compile-workers", "0")
+    assert code == 0, stdout
+    lines = [ln for ln in stdout.splitlines() if not ln.startswith(" ")]
+    assert lines[:4] == ["sp_block_f32: 2 distinct fused-kernel calls (Triton interpreter: timings meaningless)",
+                         "sp_block_f32: 2 distinct fused-kernel calls (Triton interpreter: timings meaningless)",
+                         "tp_mlp: nothing to tune: no group fuses (0 candidate groups)",
+                         "sp_block_f32: 2 distinct fused-kernel calls, 2 of them also an earlier pipeline's "
+                         "(Triton interpreter: timings meaningless)"]     # s16, s8 (once: named twice), tp_mlp, copy
+    assert stdout.count(" the heuristic's config is the fastest") == 4           # 4 distinct calls, each tuned once
+    points = json.loads(out.read_text())["fusion"]
+    assert sorted((p["kernel"], p["M"]) for p in points) == [("all_gather_matmul", 8), ("all_gather_matmul", 16),
+                                                             ("matmul_reduce_scatter", 8),
+                                                             ("matmul_reduce_scatter", 16)]
+    code, _, err = _cli(capsys, "tune", tmp_path / "copy", "--out", out)
+    assert code == 2 and err.startswith("fastpipe: error: serving set: expected */pipeline.json under ")
 
 
 @pytest.mark.cuda
@@ -337,6 +371,7 @@ def test_cli_says_so_when_the_fused_run_called_no_kernel(capsys, tmp_path, monke
     needs_cpu_kernels()
     monkeypatch.setattr(calls, "note", lambda *a, **k: None)      # as if the fused steps bypassed the kernels
     code, out, err = _cli(capsys, "tune", SEQ, "--out", tmp_path / "t.json")
-    assert code == 1 and out == "" and err == ("fastpipe: error: fastpipe tune: expected the fused run to call the "
-                                               "fused kernels, found no call (2 groups fused); wrote nothing\n")
+    assert code == 1 and out == "" and err == (f"fastpipe: error: fastpipe tune: expected the fused run of {SEQ} to "
+                                               f"call the fused kernels, found no call (2 groups fused); wrote "
+                                               f"nothing\n")
     assert not (tmp_path / "t.json").exists()

@@ -28,8 +28,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--verbose", "-v", action="store_true", help="show tracebacks and debug logs")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    def common(p):
-        p.add_argument("pipeline", help="path to pipeline.json")
+    def common(p, many: bool = False):
+        if many:
+            p.add_argument("pipeline", nargs="+", metavar="PIPELINE",
+                           help="pipeline.json files, or serving-set folders (every */pipeline.json in them)")
+        else:
+            p.add_argument("pipeline", help="path to pipeline.json")
         p.add_argument("--allow-outside-paths", action="store_true",
                        help="allow param/payload files by absolute path or outside the pipeline's folder")
         p.add_argument("--trust-export-archives", action="store_true",
@@ -89,8 +93,9 @@ def parser() -> argparse.ArgumentParser:
                                    "heuristic's (replayed CUDA graphs), then the fused kernel against the runtime's "
                                    "unfused path, and write the configs that beat the heuristic and the fused-vs-"
                                    "unfused points to the table pick_config and fuse='auto' read "
-                                   "(FASTPIPE_TUNED_CONFIGS), merged with what it held.")
-    common(t)
+                                   "(FASTPIPE_TUNED_CONFIGS), merged with what it held. Several pipelines (a "
+                                   "serving set's buckets) are recorded in turn and tuned into one table.")
+    common(t, many=True)
     t.add_argument("--out", metavar="FILE",
                    help="the tuned-config table to write, merged with its entries if it exists (default: "
                         "$FASTPIPE_TUNED_CONFIGS); point FASTPIPE_TUNED_CONFIGS at it for pick_config to read it")

@@ -8,9 +8,10 @@ distinct call (fastpipe.kernels.autotune.tune), then times each call's fused ker
 new table gives it against the runtime's unfused path (fastpipe.runtime.kernel_timing.fusion_point). It
 writes the table pick_config reads (fastpipe.kernels.tuned) and fuse="auto" consults
 (fastpipe.kernels.fusion_rule: its "fusion" points) to --out, merged with what that file held (or, for a
-new file, with the table in use now). Exit 0 when every call was tuned and measured, 1 when one could not
-be (the others are written), 2 on bad input (no GPU, an unreadable --out table; a pipeline with nothing
-to fuse is not an error: nothing is written).
+new file, with the table in use now). Several pipelines (a folder stands for every */pipeline.json in it: a
+serving set's buckets) are recorded in turn, and their distinct calls tuned into one table. Exit 0 when
+every call was tuned and measured, 1 when one could not be (the others are written), 2 on bad input (no
+GPU, an unreadable --out table; pipelines with nothing to fuse are not an error: nothing is written).
 """
 from __future__ import annotations
 
@@ -26,13 +27,9 @@ def cmd_tune(args) -> int:
     import torch
 
     from fastpipe.atomic import write_text
-    from fastpipe.format import read_pipeline
-    from fastpipe.kernels import autotune, calls, compile_pool, tuned
+    from fastpipe.kernels import autotune, compile_pool, tuned
     from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting
-    from fastpipe.options import RunOptions
-    from fastpipe.random_inputs import random_inputs
     from fastpipe.runtime import kernel_timing
-    from fastpipe.session import Session
 
     out = args.out or os.environ.get("FASTPIPE_TUNED_CONFIGS")
     if not out:
@@ -45,24 +42,18 @@ def cmd_tune(args) -> int:
     base = _base_table(Path(out), tuned.table_path())
     if not torch.cuda.is_available() and not interpreting():
         raise InputError("fastpipe tune: expected a CUDA GPU (launch configs are measured per GPU model), found none")
-    p = read_pipeline(args.pipeline)
-    sess = Session(p, device_map=device_map_of(args), load_options=load_options(args),
-                   run_options=RunOptions(processor="auto", fuse="always", cuda_graph=False))
-    try:
-        if not any(d.fused for d in sess.fusion):
-            for d in sess.fusion:
-                print("fusion: " + d.line())
-            print(f"{p.name}: nothing to tune: no group fuses ({len(sess.fusion)} candidate groups); wrote nothing")
-            return 0
-        with calls.recording() as made:
-            sess.run(random_inputs(p, args.seed))
-    finally:
-        sess.close()
+    made = []                                          # the distinct calls of every pipeline, in first-call order
+    for path in _pipeline_paths(args.pipeline):
+        name, got = _record(path, args)
+        new = [c for c in got if c not in made]
+        made += new
+        if got:
+            print(f"{name}: {len(got)} distinct fused-kernel calls" + (
+                f", {len(got) - len(new)} of them also an earlier pipeline's" if len(new) < len(got) else "") + (
+                " (Triton interpreter: timings meaningless)" if interpreting() else ""))
     if not made:
-        raise RunError(f"fastpipe tune: expected the fused run to call the fused kernels, found no call "
-                       f"({sum(d.fused for d in sess.fusion)} groups fused); wrote nothing")
-    print(f"{p.name}: {len(made)} distinct fused-kernel calls" + (" (Triton interpreter: timings meaningless)"
-                                                                  if interpreting() else ""))
+        print("wrote nothing: no pipeline has a group to fuse")
+        return 0
     workers = args.compile_workers if args.compile_workers is not None else \
         compile_pool.default_workers(torch.device(made[0].device))
     if workers > 0:
@@ -92,6 +83,46 @@ def cmd_tune(args) -> int:
     if tuned.table_path().resolve() != Path(out).resolve():
         print(f"pick_config reads it where FASTPIPE_TUNED_CONFIGS={out}")
     return EXIT_FAILED if failed or unmeasured else 0
+
+
+def _record(path, args) -> tuple[str, list]:
+    """(the pipeline's name, the distinct fused-kernel calls of one run): loaded with every fusable group fused
+    and run once on seeded random inputs; no calls where no group fuses (said, with each group's reason)."""
+    from fastpipe.format import read_pipeline
+    from fastpipe.kernels import calls
+    from fastpipe.options import RunOptions
+    from fastpipe.random_inputs import random_inputs
+    from fastpipe.session import Session
+
+    p = read_pipeline(str(path))
+    sess = Session(p, device_map=device_map_of(args), load_options=load_options(args),
+                   run_options=RunOptions(processor="auto", fuse="always", cuda_graph=False))
+    try:
+        if not any(d.fused for d in sess.fusion):
+            for d in sess.fusion:
+                print("fusion: " + d.line())
+            print(f"{p.name}: nothing to tune: no group fuses ({len(sess.fusion)} candidate groups)")
+            return p.name, []
+        with calls.recording() as got:
+            sess.run(random_inputs(p, args.seed))
+    finally:
+        sess.close()
+    if not got:
+        raise RunError(f"fastpipe tune: expected the fused run of {path} to call the fused kernels, found no call "
+                       f"({sum(d.fused for d in sess.fusion)} groups fused); wrote nothing")
+    return p.name, got
+
+
+def _pipeline_paths(given: list[str]) -> list[Path]:
+    """The pipeline.json files named, a folder standing for every */pipeline.json in it (a serving set)."""
+    from fastpipe.generation.buckets import pipeline_paths
+
+    out = []
+    for g in given:
+        for path in pipeline_paths(g) if Path(g).is_dir() else [Path(g)]:
+            if path not in out:
+                out.append(path)
+    return out
 
 
 def _fusion_points(made, table: dict) -> tuple[list[dict], int]:
