@@ -27,6 +27,10 @@
 #                                         # tuned_configs.json (commit as fastpipe/kernels/tuned_configs.json
 #                                         # where it beat the heuristic); `tune --ms 16,128`: decode sizes,
 #                                         # with the split-K candidates (docs/kernels.md)
+#   bash scripts/gpu_check.sh shapes      # `fastpipe tune` at a real model's shapes (bench/tune_model_shapes.py:
+#                                         # Llama-3-8B's MLP, tp 2, M 16 to 8192) -> shapes.json: per shape the
+#                                         # fused and unfused times, and whether the shipped grid's rule guessed
+#                                         # right; its tuned table's entries too (`--d 8192 --h 28672 --n 4`: 70B)
 #   bash scripts/gpu_check.sh runtime     # issue 16, table 1: bench/report_runtime.py -> runtime.json
 #                                         # (batch 1 first; `--batches 8` or `--batches 32` goes on)
 #   bash scripts/gpu_check.sh serving --sections 1       # issue 16, table 2: bench/report_serving.py
@@ -58,7 +62,7 @@
 # with pytest-timeout a test running past 300 s fails (its stacks in results.jsonl) and the rest go on.
 # At most 8 files come back from $OUT: machine.txt, summary.txt, <stage>.log, results.jsonl (tests
 # stages), and the stage's JSON (bench.json, fused.json + fusion_measured.json, tune.json +
-# tuned_configs.json, runtime.json, serving.json, memory.json); packed as above where a call's stages
+# tuned_configs.json, shapes.json, runtime.json, serving.json, memory.json); packed as above where a call's stages
 # leave more. GPU_CHECK_NO_INSTALL=1 skips the install (the CPU test of this script).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,7 +71,7 @@ mkdir -p "$OUT"
 CALL_S="${GPU_CHECK_CALL_S:-360}"
 STAGE_MIN_S="${GPU_CHECK_STAGE_MIN_S:-60}"
 summary="$OUT/summary.txt"
-STAGES="tests, cuda, plain, bench, fused, tune, runtime, serving, memory"
+STAGES="tests, cuda, plain, bench, fused, tune, shapes, runtime, serving, memory"
 # the call's stages: the arguments split at each lone '+' (and a first word 'a+b+c' into a, b, c, with
 # no arguments of their own); each stage's own arguments stored quoted, to be eval'ed
 [ $# -eq 0 ] && set -- tests
@@ -90,7 +94,7 @@ names+=("${cur%% *}"); args+=("${cur#* }")
 seen=" "
 for name in "${names[@]}"; do
   case "$name" in
-    tests|cuda|plain|bench|fused|tune|runtime|serving|memory) ;;
+    tests|cuda|plain|bench|fused|tune|shapes|runtime|serving|memory) ;;
     *) echo "gpu_check.sh: unknown stage '$name' ($STAGES)" | tee -a "$summary"
        exit 2 ;;
   esac
@@ -204,6 +208,9 @@ run_one() {  # stage, its arguments...: one stage; non-zero when it failed
         --budget-s "$(left 120)" --json "$OUT/tune.json" "${extra[@]}" || rc=1
       python3 bench/bench_fused_kernels.py --write-tuned "$OUT/tuned_configs.json" "$OUT/tune.json" \
         >> "$OUT/tune.log" 2>&1 || rc=1 ;;
+    shapes)
+      run_stage shapes "$(left 10)" python3 bench/tune_model_shapes.py --json "$OUT/shapes.json" "${extra[@]}" \
+        || rc=1 ;;
     runtime)   # each bench script rewrites its JSON after every case or section: a cut-off run keeps them
       run_stage runtime "$(left 10)" python3 bench/report_runtime.py --budget-s "$(left 40)" \
         --json "$OUT/runtime.json" "${extra[@]}" || rc=1 ;;

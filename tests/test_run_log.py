@@ -246,7 +246,7 @@ def test_gpu_check_refuses_an_unknown_stage(tmp_path):
                           env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stdout.strip() == ("gpu_check.sh: unknown stage 'everything' (tests, cuda, plain, bench, fused, "
-                                   "tune, runtime, serving, memory)")
+                                   "tune, shapes, runtime, serving, memory)")
 
 
 def _gpu_check(tmp_path, *args, **env):
@@ -279,6 +279,26 @@ def test_gpu_check_runs_several_stages_in_one_call_and_packs_past_eight_files(tm
         "tests/test_compile_pool.py::test_split_keeps_each_unit_in_one_chunk_and_balances_them"}
 
 
+def test_gpu_check_shapes_stage_tunes_a_models_shapes_and_checks_the_grid(tmp_path):
+    """The shapes stage on CPU (bench/tune_model_shapes.py --smoke: two tiny blocks, the interpreter): fastpipe
+    tune's fused-vs-unfused points for both groups of each block, each beside what the shipped grid alone
+    decides there (float32 was never measured by the bench: unfused, and the reason says so)."""
+    proc = _gpu_check(tmp_path, "shapes", "--smoke", "--compile-workers", "0")
+    assert proc.returncode == 1, proc.stdout + proc.stderr                # red: no CUDA here
+    summary = (tmp_path / "summary.txt").read_text()
+    assert re.search(r"^shapes: rc=0 in \d+ s of \d+ \(the grid's rule agrees with the measurement at \d of 4 "
+                     r"shapes\)$", summary, re.M), summary
+    doc = json.loads((tmp_path / "shapes.json").read_text())
+    assert doc["shape"] == {"D": 16, "H": 32, "n": 2, "dtype": "f32", "ms": [8, 16]} and doc["exit"] == 0
+    assert sorted((p["kernel"], p["M"], p["N"], p["K_total"]) for p in doc["points"]) == [
+        ("all_gather_matmul", 8, 32, 16), ("all_gather_matmul", 16, 32, 16),
+        ("matmul_reduce_scatter", 8, 16, 32), ("matmul_reduce_scatter", 16, 16, 32)]
+    for p in doc["points"]:
+        assert p["grid_fused"] is False and "was not measured for float32" in p["grid_reason"]
+        assert p["agrees"] == (p["fused_wins"] is False) and p["fused_wins"] == (p["fused_p80"] < p["unfused_p20"])
+    assert {e["M"] for e in doc["entries"]} <= {8, 16}
+
+
 def test_gpu_check_starts_no_stage_past_the_calls_budget(tmp_path):
     """A stage after the first starts only with GPU_CHECK_STAGE_MIN_S of the call's budget left."""
     proc = _gpu_check(tmp_path, "fused", "--smoke", "+", "tune", "--smoke", GPU_CHECK_CALL_S="600",
@@ -292,10 +312,11 @@ def test_gpu_check_starts_no_stage_past_the_calls_budget(tmp_path):
 
 
 @pytest.mark.parametrize("stages, message", [
-    ("tests+everything", "unknown stage 'everything' (tests, cuda, plain, bench, fused, tune, runtime, serving, "
-                         "memory)"),
+    ("tests+everything", "unknown stage 'everything' (tests, cuda, plain, bench, fused, tune, shapes, runtime, "
+                         "serving, memory)"),
     ("fused+fused", "stage 'fused' twice in one call: one call runs a stage once (give it all its arguments)"),
-    ("tests++fused", "unknown stage '' (tests, cuda, plain, bench, fused, tune, runtime, serving, memory)")])
+    ("tests++fused", "unknown stage '' (tests, cuda, plain, bench, fused, tune, shapes, runtime, serving, "
+                     "memory)")])
 def test_gpu_check_refuses_a_bad_chain_before_any_stage(tmp_path, stages, message):
     proc = _gpu_check(tmp_path, stages)
     assert proc.returncode == 2 and proc.stdout.strip() == f"gpu_check.sh: {message}"
