@@ -76,7 +76,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -98,6 +97,7 @@ from fastpipe.kernels import calls, compile_pool, pick_config, tuned  # noqa: E4
 from fastpipe.kernels.autotune import candidates_for, tune_candidates  # noqa: E402,F401 (tune_candidates: scripts/)
 from fastpipe.runtime import unfused_path  # noqa: E402
 from fastpipe.runtime.kernel_timing import capture_after_first_run as capture, replay_ms  # noqa: E402
+from fastpipe.runtime.kernel_timing import timed as bench  # noqa: E402  (median, p20, p80) in ms
 from tests.tensor_compare import error_ratio  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -156,21 +156,6 @@ def tolerance(variant: str, kernel: str, dtype: torch.dtype, device: torch.devic
 
 
 # ---------------------------------------------------------------------------------------- the cases
-def bench(fn, device, quick: bool = False) -> tuple[float, float, float]:
-    """(median, p20, p80) in ms; quick: a shorter run (ranking --tune's candidates)."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        med, p20, p80 = do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, quantiles=[0.5, 0.2, 0.8])
-        return med, p20, p80
-    ts = []
-    for _ in range(3):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts), min(ts), max(ts)
-
-
 @contextlib.contextmanager
 def timed_forms(fns: dict, device, eager: bool):
     """Yields ({variant: a call that runs it and returns its outputs}, how it is timed): on a GPU,

@@ -131,20 +131,14 @@ def _fusion_points(made, table: dict) -> tuple[list[dict], int]:
     unfused path, so that fuse="auto" decides from this pipeline's own shapes on this GPU."""
     import datetime
 
-    import torch
-
-    from fastpipe.kernels import autotune, tuned
-    from fastpipe.kernels.fusion_rule import gpu_name
+    from fastpipe.kernels import autotune
     from fastpipe.runtime import kernel_timing
 
     date = datetime.date.today().isoformat()
     points, failed = [], 0
     for call in made:
-        config = None                                     # different launches per output: pick_config's each
-        if _tunable(call):
-            launcher, M, N, K, n = call.launch()
-            device = gpu_name(call.device) or torch.device(call.device).type        # as Tuned names it
-            config = tuned.lookup_in(table, launcher, M, N, K, n, call.dtype, device) or autotune.heuristic(call)
+        # different launches per output (not tunable): pick_config's for each
+        config = autotune.config_in(table, call) if _tunable(call) else None
         try:
             p = kernel_timing.fusion_point(call, config, date)
         except Exception as e:  # noqa: BLE001 - reported with the call; the others are still measured

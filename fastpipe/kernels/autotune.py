@@ -146,6 +146,16 @@ def heuristic(call: KernelCall) -> KernelConfig:
                        use_tuned=False)
 
 
+def config_in(table: dict, call: KernelCall) -> KernelConfig:
+    """The config pick_config takes for the call from a parsed tuned table (fastpipe.kernels.tuned.parse_table:
+    its entry for the call's launch on this GPU), else the heuristic's."""
+    from fastpipe.kernels.fusion_rule import table_device
+    from fastpipe.kernels.tuned import lookup_in
+
+    launcher, M, N, K, n = call.launch()
+    return lookup_in(table, launcher, M, N, K, n, call.dtype, table_device(call.device)) or heuristic(call)
+
+
 def configs_for(call: KernelCall, configs: list[KernelConfig] | None = None) -> list[KernelConfig]:
     """What ``tune`` times: the heuristic's config first, then ``configs`` (default ``candidates_for``)."""
     return list(dict.fromkeys([heuristic(call), *(configs if configs is not None else candidates_for(call))]))
@@ -156,7 +166,7 @@ def tune(call: KernelCall, timer, *, configs: list[KernelConfig] | None = None) 
     ``candidates_for``) and the heuristic's; ``timer(config, fn, device, quick) -> (ms, timing)``
     (fastpipe.runtime.kernel_timing.time_config: replayed CUDA graphs). ValueError where the call cannot
     be tuned (``KernelCall.launch``) or the heuristic's config could not run."""
-    from fastpipe.kernels.fusion_rule import gpu_name
+    from fastpipe.kernels.fusion_rule import table_device
 
     launcher, M, N, K, n = call.launch()
     dtype = getattr(torch, call.dtype)
@@ -175,7 +185,7 @@ def tune(call: KernelCall, timer, *, configs: list[KernelConfig] | None = None) 
     best = min(ranked, key=lambda t: t[0])[1]
     heuristic_ms, timing = timer(heuristic, lambda: call.run(a, b, heuristic), device, False)
     ms = timer(best, lambda: call.run(a, b, best), device, False)[0] if best != heuristic else heuristic_ms
-    return Tuned(call, launcher, M, N, K, n, gpu_name(device) or device.type, best, ms, heuristic, heuristic_ms,
+    return Tuned(call, launcher, M, N, K, n, table_device(device), best, ms, heuristic, heuristic_ms,
                  len(ranked), timing, _same_outputs(call.run(a, b, best), call.run(a, b, heuristic), dtype, n * K),
                  skipped)
 

@@ -108,6 +108,14 @@ def gpu_name(device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
+def table_device(device) -> str:
+    """The name a measured table (tuned configs, fusion points) keys a device by: the GPU's (``gpu_name``),
+    else the device type ("cpu": the interpreter's runs, in the tests)."""
+    import torch
+
+    return gpu_name(device) or torch.device(device).type
+
+
 def rows_of(doc) -> list[dict]:
     """A bench_fused_kernels result document's rows, each naming the GPU that timed it (a row
     without ``device``, as the bench wrote them before rows named their GPU, takes the file's
