@@ -3,6 +3,7 @@
     python bench/tune_model_shapes.py --json model_tune.json                 # on a GPU: Llama-3-8B's MLP, tp 2
     python bench/tune_model_shapes.py --d 8192 --h 28672 --n 4 --ms 16,1024   # Llama-3-70B's, tp 4
     python bench/tune_model_shapes.py --smoke                                # CPU, TRITON_INTERPRET=1, tiny
+    python bench/tune_model_shapes.py --budget-s 240 --json t.json           # what gpu_check.sh shapes runs
 
 For each M (a decode step's batch, a prefill's batch x length) it writes a sequence-parallel MLP block
 split n ways (tests/fusion_pipelines.sp_block: all_gather -> [M, D] @ [D, H/n] -> gelu -> @ [H/n, D] ->
@@ -14,7 +15,8 @@ unfused_path), as replayed CUDA graphs.
 Then, per point, the table it prints: the fused and unfused times, the speedup, the measured verdict, and
 what fuse="auto" decides from the shipped bench grid alone (fastpipe.kernels.fusion_rule without this
 table), so "agrees" says whether the grid's nearest point guessed this model's shape right. --json writes
-the points, those verdicts and the machine.
+the points, those verdicts and the machine. A run cut short (--budget-s, or interrupted) reports the calls
+fastpipe tune finished (it writes its table after each) and exits non-zero.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +72,21 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip())
 
 
+def run_tune(cmd: list[str], env: dict) -> int:
+    """fastpipe tune's exit status. Interrupted (Ctrl-C, or gpu_check's SIGINT at the stage's limit, which reaches
+    the child too), it waits for fastpipe tune to stop: its table holds every call it finished, reported here."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        print("tune_model_shapes: interrupted: reporting the calls fastpipe tune finished", flush=True)
+        try:
+            return proc.wait(timeout=15)
+        except KeyboardInterrupt:
+            proc.kill()
+            return proc.wait()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ms", default="16,128,1024,8192", help="comma-separated M (rows) to build a block for")
@@ -79,11 +97,15 @@ def main(argv=None) -> int:
     ap.add_argument("--table", help="the tuned table to write (default: tuned.json beside the pipelines)")
     ap.add_argument("--json", help="write the points and the grid's verdicts here")
     ap.add_argument("--compile-workers", help="passed to fastpipe tune")
+    ap.add_argument("--budget-s", type=float,
+                    help="seconds for the whole run: fastpipe tune gets what writing the blocks left (its --budget-s), "
+                         "and the points of the calls it reached are reported")
     ap.add_argument("--smoke", action="store_true", help="CPU under the Triton interpreter: D 16, H 32, M 8 and 16")
     args = ap.parse_args(argv)
     if args.smoke:
         args.ms, args.d, args.h, args.dtype = "8,16", 16, 32, "f32"
     ms = [int(x) for x in args.ms.split(",")]
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fastpipe-model-tune-") as tmp:
         paths = write_blocks(Path(tmp), ms, args.d, args.h, args.n, args.dtype)
         table = args.table or str(Path(tmp) / "tuned.json")
@@ -92,9 +114,11 @@ def main(argv=None) -> int:
                "--device-map", ",".join(f"{r}={device}" for r in range(args.n))]
         if args.compile_workers is not None:
             cmd += ["--compile-workers", args.compile_workers]
+        if args.budget_s is not None:
+            cmd += ["--budget-s", f"{max(1.0, args.budget_s - (time.perf_counter() - t0)):.0f}"]
         env = {k: v for k, v in os.environ.items() if k != "FASTPIPE_TUNED_CONFIGS"}
         print("$ " + " ".join(cmd), flush=True)
-        rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+        rc = run_tune(cmd, env)
         if not Path(table).exists():
             print(f"tune_model_shapes: fastpipe tune wrote no table (exit {rc})")
             return rc or 1

@@ -208,9 +208,9 @@ run_one() {  # stage, its arguments...: one stage; non-zero when it failed
         --budget-s "$(left 120)" --json "$OUT/tune.json" "${extra[@]}" || rc=1
       python3 bench/bench_fused_kernels.py --write-tuned "$OUT/tuned_configs.json" "$OUT/tune.json" \
         >> "$OUT/tune.log" 2>&1 || rc=1 ;;
-    shapes)
-      run_stage shapes "$(left 10)" python3 bench/tune_model_shapes.py --json "$OUT/shapes.json" "${extra[@]}" \
-        || rc=1 ;;
+    shapes)  # --budget-s: fastpipe tune starts no call after it (and writes its table after each one)
+      run_stage shapes "$(left 10)" python3 bench/tune_model_shapes.py --budget-s "$(left 45)" \
+        --json "$OUT/shapes.json" "${extra[@]}" || rc=1 ;;
     runtime)   # each bench script rewrites its JSON after every case or section: a cut-off run keeps them
       run_stage runtime "$(left 10)" python3 bench/report_runtime.py --budget-s "$(left 40)" \
         --json "$OUT/runtime.json" "${extra[@]}" || rc=1 ;;

@@ -214,12 +214,13 @@ def test_cli_tunes_the_pipelines_calls_and_merges_into_its_table(capsys, tmp_pat
     assert lines[0] == "seq_parallel_block: 2 distinct fused-kernel calls (Triton interpreter: timings meaningless)"
     # first calls made in 2 processes first (fastpipe.kernels.compile_pool): the heuristic's and the candidates
     assert lines.pop(1).startswith("compiled 9 first calls (9 kernels) on 2 processes in ")
+    # call by call: its tuning, then its fused kernel under the config just kept against the unfused path, in the
+    # fusion rule's terms
     assert lines[1].startswith("  all_gather_matmul dim 0 (gather_rows M=16 N=32 K=32 n=2 float32): 16x16x16 w4 s1 "
                                "1.0000 ms vs the heuristic's 16x32x32 w4 s1 10.0000 ms (10.00x, ")
-    assert lines[2].startswith("  matmul_reduce_scatter dim 0 (mm_sum M=16 N=32 K=32 n=2 float32): 16x16x16")
-    assert all(line.endswith("): kept") for line in lines[1:3])
-    # the fused kernels under the configs just kept, against the unfused path; in the fusion rule's terms
-    assert lines[3] == ('  fusion: all_gather_matmul dim 0 M=16 N=64 K_total=32 n=2 float32: fused (16x16x16 w4 s1) '
+    assert lines[3].startswith("  matmul_reduce_scatter dim 0 (mm_sum M=16 N=32 K=32 n=2 float32): 16x16x16")
+    assert all(line.endswith("): kept") for line in lines[1:4:2])
+    assert lines[2] == ('  fusion: all_gather_matmul dim 0 M=16 N=64 K_total=32 n=2 float32: fused (16x16x16 w4 s1) '
                         '1.0000 ms (0.9000-1.1000) vs unfused 2.0000 ms (1.9000-2.1000), 2.00x (fake): fuse="auto" '
                         'fuses it')
     assert lines[4].startswith('  fusion: matmul_reduce_scatter dim 0 M=16 N=32 K_total=64 n=2 float32: fused '
@@ -336,6 +337,63 @@ def test_cli_tunes_several_pipelines_into_one_table(capsys, tmp_path, monkeypatc
                                                              ("matmul_reduce_scatter", 16)]
     code, _, err = _cli(capsys, "tune", tmp_path / "copy", "--out", out)
     assert code == 2 and err.startswith("fastpipe: error: serving set: expected */pipeline.json under ")
+
+
+def test_cli_budget_starts_no_call_past_it_and_names_the_ones_left(capsys, tmp_path, monkeypatch):
+    """--budget-s: a fake clock that each fused-vs-unfused timing moves on 100 s; with 150 s the first call is tuned
+    and measured (200 s then spent), the second is not started: it is named, the table holds the first call's
+    entry and point, and the exit status is 1."""
+    needs_cpu_kernels()
+    from fastpipe.cli import tune as tune_cli
+
+    clock = [0.0]
+    fake = _stats([(1.0, 0.9, 1.1)] * 4)
+
+    def stats(fn, device, quick=False):
+        clock[0] += 100.0
+        return fake(fn, device, quick)
+
+    monkeypatch.setattr(tune_cli, "_now", lambda: clock[0])
+    monkeypatch.setattr(kernel_timing, "time_config", _timer({}))
+    monkeypatch.setattr(kernel_timing, "replay_stats", stats)
+    out = tmp_path / "t.json"
+    code, stdout, _ = _cli(capsys, "tune", SEQ, "--out", out, "--compile-workers", "0", "--budget-s", "150")
+    assert code == 1, stdout
+    assert stdout.count("the heuristic's config is the fastest") == 1 and stdout.count("  fusion: ") == 1
+    assert ("budget: --budget-s 150 s spent after 1 of 2 calls; not tuned or measured: matmul_reduce_scatter dim 0 "
+            "(mm_sum M=16 N=32 K=32 n=2 float32)") in stdout
+    assert f"wrote {out}: 0 of 1 tuned calls beat the heuristic by more than 3%; 0 entries in all; 1 fused-vs-unfused " \
+           f"points (0 fused faster)" in stdout
+    assert [p["kernel"] for p in json.loads(out.read_text())["fusion"]] == ["all_gather_matmul"]
+    for bad in ("0", "-1"):
+        code, _, err = _cli(capsys, "tune", SEQ, "--out", tmp_path / "new.json", "--budget-s", bad)
+        assert code == 2 and err == f"fastpipe: error: --budget-s: expected seconds > 0, found {bad}\n"
+
+
+def test_cli_interrupted_keeps_the_calls_it_finished(capsys, tmp_path, monkeypatch):
+    """The table is written after every call: Ctrl-C (or a time limit's SIGINT) during the second call's tuning
+    leaves the first call's entry and point in --out, and exits 130."""
+    needs_cpu_kernels()
+    fast = KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1)
+    timer, fake, measured = _timer({fast.text(): 1.0}), _stats([(1.0, 0.9, 1.1), (2.0, 1.9, 2.1)]), []
+
+    def stats(fn, device, quick=False):
+        measured.append(fn)
+        return fake(fn, device, quick)
+
+    def interrupted(config, fn, device, quick):
+        if measured:                                # the first call tuned and measured: the second call's tuning
+            raise KeyboardInterrupt
+        return timer(config, fn, device, quick)
+
+    monkeypatch.setattr(kernel_timing, "time_config", interrupted)
+    monkeypatch.setattr(kernel_timing, "replay_stats", stats)
+    out = tmp_path / "t.json"
+    code, stdout, err = _cli(capsys, "tune", SEQ, "--out", out, "--compile-workers", "0")
+    assert code == 130 and err == "fastpipe: interrupted\n", stdout
+    doc = json.loads(out.read_text())
+    assert [(e["launcher"], e["config"]["block_m"]) for e in doc["entries"]] == [("gather_rows", 16)]
+    assert [(p["kernel"], p["fused_wins"]) for p in doc["fusion"]] == [("all_gather_matmul", True)]
 
 
 @pytest.mark.cuda

@@ -299,6 +299,28 @@ def test_gpu_check_shapes_stage_tunes_a_models_shapes_and_checks_the_grid(tmp_pa
     assert {e["M"] for e in doc["entries"]} <= {8, 16}
 
 
+def test_shapes_interrupted_reports_the_calls_fastpipe_tune_finished(tmp_path):
+    """SIGINT to the whole process group, as gpu_check's stage limit sends it, once fastpipe tune has written its
+    table after its first call: the script waits for fastpipe tune to stop, and shapes.json holds the points of
+    the calls it finished, with its exit status (130) -- not nothing."""
+    table, out = tmp_path / "tuned.json", tmp_path / "shapes.json"
+    proc = subprocess.Popen([sys.executable, "bench/tune_model_shapes.py", "--smoke", "--compile-workers", "0",
+                             "--table", str(table), "--json", str(out)], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not table.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()[0]                 # 4 calls, each seconds in the interpreter
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, stdout
+    assert "tune_model_shapes: interrupted: reporting the calls fastpipe tune finished" in stdout
+    doc = json.loads(out.read_text())
+    assert doc["exit"] == 130 and 1 <= len(doc["points"]) < 4, stdout
+    assert [p["fused_wins"] == (p["fused_p80"] < p["unfused_p20"]) for p in doc["points"]] == [True] * len(
+        doc["points"])
+
+
 def test_gpu_check_starts_no_stage_past_the_calls_budget(tmp_path):
     """A stage after the first starts only with GPU_CHECK_STAGE_MIN_S of the call's budget left."""
     proc = _gpu_check(tmp_path, "fused", "--smoke", "+", "tune", "--smoke", GPU_CHECK_CALL_S="600",

@@ -104,6 +104,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--compile-workers", type=int, metavar="N",
                    help="compile the candidate kernels first in N processes (default: on a GPU, the cores less two, "
                         "at most 14; 0: each compiles at its first call)")
+    t.add_argument("--budget-s", type=float, metavar="S",
+                   help="start no call's tuning past S seconds (the compile pool gets at most S/2); the calls not "
+                        "reached are named and the exit status is 1. The table is written after every call, so an "
+                        "interrupted run keeps the calls it finished")
     t.add_argument("--min-gain", type=float, default=0.03,
                    help="keep a config only where it beat the heuristic's by more than this (default 0.03: 3%%)")
     b = sub.add_parser("build", help="split a local Hugging Face checkpoint folder into a tp x pp pipeline, or "

@@ -3,20 +3,23 @@ on this GPU.
 
 Loads the pipeline with every fusable group fused (fuse="always", eager, no CUDA graph), runs it once on
 seeded random inputs while recording the fused-kernel calls (fastpipe.kernels.calls), compiles every
-(call, config) it will time in --compile-workers processes (fastpipe.kernels.compile_pool), tunes each
-distinct call (fastpipe.kernels.autotune.tune), then times each call's fused kernel under the config the
-new table gives it against the runtime's unfused path (fastpipe.runtime.kernel_timing.fusion_point). It
-writes the table pick_config reads (fastpipe.kernels.tuned) and fuse="auto" consults
+(call, config) it will time in --compile-workers processes (fastpipe.kernels.compile_pool), then, call by
+call, tunes it (fastpipe.kernels.autotune.tune) and times its fused kernel under the config the new table
+gives it against the runtime's unfused path (fastpipe.runtime.kernel_timing.fusion_point). After each call
+it writes the table pick_config reads (fastpipe.kernels.tuned) and fuse="auto" consults
 (fastpipe.kernels.fusion_rule: its "fusion" points) to --out, merged with what that file held (or, for a
-new file, with the table in use now). Several pipelines (a folder stands for every */pipeline.json in it: a
-serving set's buckets) are recorded in turn, and their distinct calls tuned into one table. Exit 0 when
-every call was tuned and measured, 1 when one could not be (the others are written), 2 on bad input (no
-GPU, an unreadable --out table; pipelines with nothing to fuse are not an error: nothing is written).
+new file, with the table in use now): a run interrupted (Ctrl-C, a time limit's SIGINT) keeps every call it
+finished. --budget-s S starts no call S seconds after the command began (the compile pool stops by S/2)
+and names the calls it did not reach. Several pipelines (a folder stands for every */pipeline.json in it: a
+serving set's buckets) are recorded in turn, and their distinct calls tuned into one table. Exit 0 when every call was
+tuned and measured, 1 when one could not be or was not reached (the others are written), 2 on bad input
+(no GPU, an unreadable --out table; pipelines with nothing to fuse are not an error: nothing is written).
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from fastpipe.cli.common import EXIT_FAILED, check_writable, device_map_of, load_options
@@ -38,7 +41,10 @@ def cmd_tune(args) -> int:
     if not 0 <= args.min_gain < 1:
         raise InputError(f"--min-gain: expected 0 <= gain < 1 (0.03: 3% faster than the heuristic), "
                          f"found {args.min_gain}")
+    if args.budget_s is not None and not args.budget_s > 0:
+        raise InputError(f"--budget-s: expected seconds > 0, found {args.budget_s:g}")
     check_writable(out, "--out")
+    budget = _Budget(args.budget_s)                    # from here: recording the pipelines counts too
     base = _base_table(Path(out), tuned.table_path())
     if not torch.cuda.is_available() and not interpreting():
         raise InputError("fastpipe tune: expected a CUDA GPU (launch configs are measured per GPU model), found none")
@@ -58,31 +64,66 @@ def cmd_tune(args) -> int:
         compile_pool.default_workers(torch.device(made[0].device))
     if workers > 0:
         tasks = [compile_pool.task(c, cfg) for c in made if _tunable(c) for cfg in autotune.configs_for(c)]
-        warm = compile_pool.warm(tasks, workers, timeout_s=600)
+        warm = compile_pool.warm(tasks, workers, timeout_s=budget.pool_s())
         print(f"compiled {warm['tasks']} first calls ({warm['units']} kernels) on {warm['workers']} processes in "
               f"{warm['s']:.1f} s" + (f"; ENDED EARLY: {warm['error']}" if "error" in warm else ""))
-    results, failed = [], 0
+    results, points, failed, unreached, doc = [], [], 0, [], None
     for call in made:
+        if budget.spent():
+            unreached.append(call)
+            continue
         try:
             r = autotune.tune(call, kernel_timing.time_config)
         except ValueError as e:
+            r = None
             failed += 1
             print(f"  not tuned: {call.kernel} dim {call.dim}: {e}")
-            continue
-        results.append(r)
-        print(f"  {r.line(args.min_gain)}")
-        for s in r.skipped:
-            print(f"    could not run: {s}")
-    doc, kept = autotune.merged_table(base, results, args.min_gain)
-    points, unmeasured = _fusion_points(made, tuned.parse_table(doc, out))
-    doc = autotune.with_fusion_points(doc, points)
-    write_text(out, json.dumps(doc, indent=1) + "\n")
+        if r is not None:
+            results.append(r)
+            print(f"  {r.line(args.min_gain)}")
+            for s in r.skipped:
+                print(f"    could not run: {s}")
+        # the call's fused kernel against the unfused path, under the config the table now gives it; the table
+        # written after every call, so that an interrupted run (Ctrl-C, a stage's time limit) keeps the calls done
+        doc, kept = autotune.merged_table(base, results, args.min_gain)
+        point = _fusion_point(call, tuned.parse_table(doc, out))
+        if point is None:
+            failed += 1
+        else:
+            points.append(point)
+        doc = autotune.with_fusion_points(doc, points)
+        write_text(out, json.dumps(doc, indent=1) + "\n")
+    if unreached:
+        print(f"budget: --budget-s {args.budget_s:g} s spent after {len(made) - len(unreached)} of {len(made)} calls; "
+              f"not tuned or measured: " + "; ".join(c.text() for c in unreached))
+    if doc is None:
+        print("wrote nothing: no call was reached")
+        return EXIT_FAILED
     print(f"wrote {out}: {kept} of {len(results)} tuned calls beat the heuristic by more than {args.min_gain:.0%}; "
           f"{len(doc['entries'])} entries in all; {len(points)} fused-vs-unfused points "
           f"({sum(p['fused_wins'] for p in points)} fused faster)")
     if tuned.table_path().resolve() != Path(out).resolve():
         print(f"pick_config reads it where FASTPIPE_TUNED_CONFIGS={out}")
-    return EXIT_FAILED if failed or unmeasured else 0
+    return EXIT_FAILED if failed or unreached else 0
+
+
+class _Budget:
+    """--budget-s: no call is tuned once that many seconds have passed since the command began (the call under way
+    finishes); the compile pool stops when half of them have passed, at the latest (a stuck pool must leave the
+    tuning its time)."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds, self.t0 = seconds, _now()
+
+    def pool_s(self) -> float:
+        return 600.0 if self.seconds is None else max(1.0, min(600.0, self.seconds / 2 - (_now() - self.t0)))
+
+    def spent(self) -> bool:
+        return self.seconds is not None and _now() - self.t0 >= self.seconds
+
+
+def _now() -> float:
+    return time.perf_counter()
 
 
 def _record(path, args) -> tuple[str, list]:
@@ -125,8 +166,8 @@ def _pipeline_paths(given: list[str]) -> list[Path]:
     return out
 
 
-def _fusion_points(made, table: dict) -> tuple[list[dict], int]:
-    """(fastpipe.kernels.fusion_rule points for the recorded calls, how many could not be measured): each call's
+def _fusion_point(call, table: dict) -> dict | None:
+    """The call's fastpipe.kernels.fusion_rule point (printed), or None where it could not be measured (said): its
     fused kernel under the config pick_config will take from the table being written, against the runtime's
     unfused path, so that fuse="auto" decides from this pipeline's own shapes on this GPU."""
     import datetime
@@ -134,20 +175,15 @@ def _fusion_points(made, table: dict) -> tuple[list[dict], int]:
     from fastpipe.kernels import autotune
     from fastpipe.runtime import kernel_timing
 
-    date = datetime.date.today().isoformat()
-    points, failed = [], 0
-    for call in made:
-        # different launches per output (not tunable): pick_config's for each
-        config = autotune.config_in(table, call) if _tunable(call) else None
-        try:
-            p = kernel_timing.fusion_point(call, config, date)
-        except Exception as e:  # noqa: BLE001 - reported with the call; the others are still measured
-            failed += 1
-            print(f"  fusion not measured: {call.text()}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
-            continue
-        points.append(p)
-        print(f"  {_point_line(p)}")
-    return points, failed
+    # different launches per output (not tunable): pick_config's for each
+    config = autotune.config_in(table, call) if _tunable(call) else None
+    try:
+        p = kernel_timing.fusion_point(call, config, datetime.date.today().isoformat())
+    except Exception as e:  # noqa: BLE001 - reported with the call; the others are still measured
+        print(f"  fusion not measured: {call.text()}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        return None
+    print(f"  {_point_line(p)}")
+    return p
 
 
 def _point_line(p: dict) -> str:
