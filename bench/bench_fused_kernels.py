@@ -6,6 +6,7 @@
     python bench/bench_fused_kernels.py --kernel all_gather_matmul --dim 0
     python bench/bench_fused_kernels.py --ms 16,8192 --nk 4096 --ns 2 --json fused.json
     python bench/bench_fused_kernels.py --smoke               # CPU, TRITON_INTERPRET=1, tiny: tests the script
+    python bench/bench_fused_kernels.py --kernel both --check --profile --json fused.json   # + each variant's kernels
     python bench/bench_fused_kernels.py --kernel both --tune --check --ms 1024,8192 --json tune.json  # per shape
     python bench/bench_fused_kernels.py --write-tuned fastpipe/kernels/tuned_configs.json tune.json   # -> table
 
@@ -58,6 +59,12 @@ by default the cores less two, at most 14), which fill Triton's on-disk cache, s
 calls read compiled kernels instead of compiling them one at a time on one core (each tuned row's
 "first_calls_s" sums them; the JSON's "compile_warmup" says what the warm-up did).
 
+--profile runs each variant's timed form 5 more times under torch.profiler (fastpipe.runtime.kernel_profile):
+per variant the kernels it launched, the time they were busy and the time they covered (below busy where
+the unfused members' streams overlapped), beside its measured time, so a missed target comes with where the
+time went (one fused kernel's own duration, or the unfused path's GEMMs and copies, their overlap and the
+gaps between them). The row's "profile" holds them; a line per variant follows the row's.
+
 --threshold reads result files and prints, per (GPU, kernel, N, K_total, n, dtype), the measured
 crossover: the smallest M from which the fused kernel beat the unfused path (beyond the noise:
 fusion_rule.fused_wins) at every measured M (``crossover``), and whether the shipped rule agrees
@@ -95,7 +102,7 @@ from fastpipe.kernels.fusion_rule import (  # noqa: E402
     table_from_rows)
 from fastpipe.kernels import calls, compile_pool, pick_config, tuned  # noqa: E402
 from fastpipe.kernels.autotune import candidates_for, tune_candidates  # noqa: E402,F401 (tune_candidates: scripts/)
-from fastpipe.runtime import unfused_path  # noqa: E402
+from fastpipe.runtime import kernel_profile, unfused_path  # noqa: E402
 from fastpipe.runtime.kernel_timing import capture_after_first_run as capture, replay_ms  # noqa: E402
 from fastpipe.runtime.kernel_timing import timed as bench  # noqa: E402  (median, p20, p80) in ms
 from tests.tensor_compare import error_ratio  # noqa: E402
@@ -280,9 +287,10 @@ def case_key(kernel, M, NK, n, dim, dtype) -> dict:
 
 
 def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | None = None, eager: bool = False,
-             lanes=None) -> dict:
-    """One row: every variant timed (graph replays unless eager), checked with --check; {} where the
-    split is not divisible by n. lanes: n streams for the unfused members (on a GPU, unless eager)."""
+             lanes=None, profile: bool = False) -> dict:
+    """One row: every variant timed (graph replays unless eager), checked with --check, its kernels profiled
+    with ``profile`` (``profile_variants``); {} where the split is not divisible by n. lanes: n streams for the
+    unfused members (on a GPU, unless eager)."""
     made = variants(kernel, M, NK, n, dim, dtype, device, None if eager else lanes)
     if made is None:
         return {}
@@ -309,11 +317,26 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | No
             row[f"{name}_ms"], row[f"{name}_p20"], row[f"{name}_p80"] = med, p20, p80
             row[f"{name}_tflops"] = flops / (med * 1e-3) / 1e12
             row[f"{name}_of_peak"] = row[f"{name}_tflops"] / peak if peak else None
+        if profile:
+            row["profile"] = profile_variants(forms, device)
     row["peak_tflops"] = peak
     row["speedup"] = row["unfused_ms"] / row["fused_ms"]
     row["rule_says_fused"] = fused_is_faster(M, N, k_total, n, dtype, kernel=kernel, dim=dim, gpu=gpu_name(device))
     row["targets"] = targets(row)
     return row
+
+
+def profile_variants(forms: dict, device) -> dict:
+    """--profile: per variant, the kernels a few runs of its timed form launch (fastpipe.runtime.kernel_profile:
+    time busy, time covered, the top kernels); a variant the profiler fails on gets its "error", and the row
+    stands."""
+    out = {}
+    for name, fn in forms.items():
+        try:
+            out[name] = kernel_profile.profile(fn, device)
+        except Exception as e:  # noqa: BLE001 - said in the row and its line; the timings stand
+            out[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+    return out
 
 
 def fused_config(kernel, M, NK, n, dim, dtype, device) -> tuple[str, str]:
@@ -534,6 +557,9 @@ def main(argv=None) -> int:
                          "default: on a GPU, the cores less two, at most 14; 0: off)")
     ap.add_argument("--budget-s", type=float,
                     help="start no case after this many seconds (the rest are listed as not_run in --json)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile each variant's kernels (torch.profiler over 5 runs of its timed form): the "
+                         "row's 'profile' and a line per variant (fastpipe/runtime/kernel_profile.py)")
     args = ap.parse_args(argv)
 
     if args.write_tuned:
@@ -603,7 +629,8 @@ def main(argv=None) -> int:
             print(f"budget: {args.budget_s:.0f} s spent; {len(not_run)} cases not run", flush=True)
             break
         try:
-            row = run_case(kernel, M, nk, n, args.dim, dtype, device, args.check, peak, args.eager, lanes)
+            row = run_case(kernel, M, nk, n, args.dim, dtype, device, args.check, peak, args.eager, lanes,
+                           args.profile)
             if not row:
                 print(f"skipped {kernel} M={M} N=K={nk} n={n}: the split dimension is not divisible by n")
                 continue
@@ -623,6 +650,8 @@ def main(argv=None) -> int:
                   f"{row['fused_config_from']}), unfused "
                   f"{row['unfused_ms']:.3f} ms, torch.mm {row['torch.mm_ms']:.3f} ms ({row['timing']})"
                   + (f", check {row['check']}" if args.check else ""), flush=True)
+            for v, prof in row.get("profile", {}).items():
+                print(f"    {kernel_profile.line(v, prof, row[f'{v}_ms'])}", flush=True)
         except Exception as e:  # noqa: BLE001 - one case failing (out of memory, say) fails its row, not the run
             row = {**case_key(kernel, M, nk, n, args.dim, dtype),
                    "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}

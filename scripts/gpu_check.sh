@@ -22,7 +22,10 @@
 #                                         # rule's table from this run, this GPU's points only (docs/kernels.md
 #                                         # says how to merge it with bench/measured's runs and ship it).
 #                                         # Cases go shape by shape, both kernels and every M per shape, so a
-#                                         # run cut short has whole crossovers: pass --nk 8192 to go on
+#                                         # run cut short has whole crossovers: pass --nk 8192 to go on. Then
+#                                         # fused_profile.log: M 16 and 1024 at N = K 4096 again, each
+#                                         # variant's kernels profiled (--profile: time busy and covered, top
+#                                         # kernels), where the stage's call has 40 s left
 #   bash scripts/gpu_check.sh tune        # launch configs per shape (--tune, M 1024 and 8192): tune.json and
 #                                         # tuned_configs.json (commit as fastpipe/kernels/tuned_configs.json
 #                                         # where it beat the heuristic); `tune --ms 16,128`: decode sizes,
@@ -202,7 +205,15 @@ run_one() {  # stage, its arguments...: one stage; non-zero when it failed
       run_stage fused "$(left 20)" python3 bench/bench_fused_kernels.py --kernel both --check \
         --budget-s "$(left 90)" --json "$OUT/fused.json" "${extra[@]}" || rc=1
       python3 bench/bench_fused_kernels.py --threshold "$OUT/fused.json" --write-rule "$OUT/fusion_measured.json" \
-        >> "$OUT/fused.log" 2>&1 || rc=1 ;;
+        >> "$OUT/fused.log" 2>&1 || rc=1
+      # where the time goes, at a decode and a prefill size (then the stage's own arguments): a second run,
+      # profiled, its lines in fused_profile.log, so that a profiler failure costs the run above nothing
+      if [ "$(left 40)" -ge 30 ]; then
+        run_stage fused_profile "$(left 15)" python3 bench/bench_fused_kernels.py --kernel both --check --profile \
+          --budget-s "$(left 45)" --ms 16,1024 --nk 4096 "${extra[@]}" || rc=1
+      else
+        echo "fused_profile: not started: $(left 0) s of the call's $CALL_S s left" | tee -a "$summary"
+      fi ;;
     tune)    # the candidates compile first in (cores - 2) processes (fastpipe/kernels/compile_pool.py)
       run_stage tune "$(left 20)" python3 bench/bench_fused_kernels.py --kernel both --tune --check --ms 1024,8192 \
         --budget-s "$(left 120)" --json "$OUT/tune.json" "${extra[@]}" || rc=1

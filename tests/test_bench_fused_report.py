@@ -50,6 +50,36 @@ def test_smoke_run_checks_every_variant(tmp_path):
     assert "targets at M >= 1024" in r.stdout and "measured crossover" in r.stdout
 
 
+def test_smoke_run_with_profile_puts_each_variants_ops_in_its_row(tmp_path):
+    """--profile: every row's "profile" has each variant's per-run totals (on CPU: the torch ops the variant ran,
+    torch.mm's one aten::mm among them), and a line per variant follows the row's."""
+    pytest.importorskip("triton")
+    out = tmp_path / "fused.json"
+    r = subprocess.run([sys.executable, "bench/bench_fused_kernels.py", "--smoke", "--kernel", "matmul_reduce_scatter",
+                        "--profile", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert sorted(row["profile"]) == ["fused", "torch.mm", "unfused"]
+        for p in row["profile"].values():
+            assert p["runs"] == 5 and p["events"] == "cpu_op" and 0 < p["covered_us"] <= p["busy_us"] * (1 + 1e-9)
+        assert {"name": "aten::mm", "count": 1.0} == {k: row["profile"]["torch.mm"]["kernels"][0][k]
+                                                      for k in ("name", "count")}
+    assert r.stdout.count("    torch.mm: 1 cpu_op/run, ") == 2 and r.stdout.count("    unfused: ") == 2
+
+
+def test_a_variant_the_profiler_fails_on_gets_its_error_and_the_others_stand(monkeypatch):
+    import bench.bench_fused_kernels as bfk
+
+    def boom():
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    got = bfk.profile_variants({"fused": boom, "torch.mm": lambda: torch.ones(2) @ torch.ones(2)}, torch.device("cpu"))
+    assert got["fused"] == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
+    assert got["torch.mm"]["launched"] >= 1
+
+
 def test_tune_candidates_fit_and_follow_m():
     from bench.bench_fused_kernels import launcher_shape, tune_candidates
 

@@ -271,9 +271,15 @@ def test_gpu_check_runs_several_stages_in_one_call_and_packs_past_eight_files(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "fused.json", "fusion_measured.json", "logs.tar.gz", "machine.txt", "results.jsonl", "summary.txt",
         "tune.json", "tuned_configs.json"]
+    # the fused stage's profiled second run: a line per variant of each row (fastpipe.runtime.kernel_profile)
+    assert re.search(r"^fused_profile: rc=0 in \d+ s of \d+ ", summary, re.M), summary
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:
-        assert sorted(tar.getnames()) == ["fused.log", "tests.log", "tune.log"]
+        assert sorted(tar.getnames()) == ["fused.log", "fused_profile.log", "tests.log", "tune.log"]
         assert b"1 passed" in tar.extractfile("tests.log").read()
+        profiled = tar.extractfile("fused_profile.log").read().decode()
+    for variant in ("fused", "unfused", "torch.mm"):          # 2 kernels x 2 M (the smoke grid)
+        assert len(re.findall(rf"^    {re.escape(variant)}: [\d.]+ cpu_op/run, [\d.]+ us busy, ", profiled,
+                              re.M)) == 4, profiled
     assert json.loads((tmp_path / "tune.json").read_text())["args"]["tune"] is True
     assert {r["nodeid"] for r in _lines(tmp_path / "results.jsonl") if "nodeid" in r} == {
         "tests/test_compile_pool.py::test_split_keeps_each_unit_in_one_chunk_and_balances_them"}
