@@ -56,7 +56,7 @@ class Compiled:
     """One compiled kernel: what was called, the config, and what ptxas made of it."""
 
     call: str          # e.g. "matmul_reduce_scatter dim=0 M=1024 NK=4096 n=2 bf16"
-    kernel: str        # _mm_sum_kernel / _split_k_sum_kernel / _gather_rows_kernel / _mm_sum_tma_kernel / ...
+    kernel: str        # _mm_sum_kernel / _split_k_sum_kernel / _gather_rows_kernel / _gather_split_k_sum_kernel / ...
     config: str        # "128x256x64 w8 s3"
     shared_bytes: int = 0
     registers: int = 0
@@ -139,6 +139,7 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
         for kernel in tma_kernels:
             patch(kernel, "run", compile_only(kernel))
         patch(agm._gather_rows_kernel, "run", compile_only(agm._gather_rows_kernel))
+        patch(agm._gather_split_k_sum_kernel, "run", compile_only(agm._gather_split_k_sum_kernel))
         yield
     finally:
         for obj, name, value in reversed(saved):
@@ -249,7 +250,7 @@ def cases(args) -> list[tuple[str, int, int, int, int, torch.dtype]]:
 def tune_configs(kernel: str, M: int, NK: int, n: int, dim: int, dtype: torch.dtype, arch: int) -> list[KernelConfig]:
     from bench.bench_fused_kernels import launcher_shape, tune_candidates   # the repository root is on sys.path
     launcher, lm, ln, _ = launcher_shape(kernel, M, NK, n, dim)
-    return tune_candidates(lm, ln, dtype, smoke=False, launcher=launcher, tma=arch >= 90)
+    return tune_candidates(lm, ln, dtype, smoke=False, launcher=launcher, tma=arch >= 90, n=n)
 
 
 def compile_all(args) -> list[Compiled]:

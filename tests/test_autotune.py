@@ -93,13 +93,13 @@ def test_tune_picks_the_fastest_config_and_keeps_it_only_beyond_the_gain():
 def test_a_config_that_cannot_run_is_skipped_with_its_error():
     needs_cpu_kernels()
     a, b = _mrs()
-    with calls.recording() as made:
-        all_gather_matmul([x[:8] for x in a], b, dim=0)
-    split = KernelConfig(16, 16, 16, split_k=2)                               # gather_rows refuses split-K
-    r = autotune.tune(made[0], _timer({}), configs=[split])
+    with calls.recording() as made:                                # column-major shards: TMA cannot load them
+        all_gather_matmul([x[:8].t().contiguous().t() for x in a], b, dim=0)
+    tma = KernelConfig(16, 16, 16, tma=True)
+    r = autotune.tune(made[0], _timer({}), configs=[tma])
     assert r.candidates == 1 and r.skipped == [
-        "16x16x16 w4 s3 k2: ValueError: all_gather_matmul: config.split_k: expected 1 (dim 0 writes each tile "
-        "once; split-K is the mm_sum launcher's: matmul_reduce_scatter, all_gather_matmul dim 1), found 2"]
+        "16x16x16 w4 s3 tma: ValueError: all_gather_matmul: config.tma: the TMA kernel cannot load these operands: "
+        "a[0] is not row-major (strides (1, 8); TMA needs a unit stride along K)"]
 
 
 def test_outputs_agree_within_two_roundings():
@@ -213,7 +213,7 @@ def test_cli_tunes_the_pipelines_calls_and_merges_into_its_table(capsys, tmp_pat
     lines = stdout.splitlines()
     assert lines[0] == "seq_parallel_block: 2 distinct fused-kernel calls (Triton interpreter: timings meaningless)"
     # first calls made in 2 processes first (fastpipe.kernels.compile_pool): the heuristic's and the candidates
-    assert lines.pop(1).startswith("compiled 9 first calls (9 kernels) on 2 processes in ")
+    assert lines.pop(1).startswith("compiled 10 first calls (10 kernels) on 2 processes in ")
     # call by call: its tuning, then its fused kernel under the config just kept against the unfused path, in the
     # fusion rule's terms
     assert lines[1].startswith("  all_gather_matmul dim 0 (gather_rows M=16 N=32 K=32 n=2 float32): 16x16x16 w4 s1 "

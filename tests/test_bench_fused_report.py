@@ -92,20 +92,25 @@ def test_tune_candidates_fit_and_follow_m():
             assert c.block_m * c.block_n <= 128 * 32 * c.num_warps    # <= 128 accumulators a thread
         p = 16 if M <= 16 else 128 if M >= 128 else M
         assert p in {c.block_m for c in cands}                  # the tile M rounds up to is always tried
-    # split-K (mm_sum only) where a config's tiles fill at most half of the 132 SMs, to about 132 programs
-    for M, N in ((16, 4096), (128, 4096), (128, 8192), (8192, 4096)):
+    # split-K where a config's tiles fill at most half of the 132 SMs, to about 132 programs; for gather_rows
+    # (all_gather_matmul dim 0) the tiles of its n outputs together, one launch
+    for M, N in ((16, 4096), (128, 4096), (128, 8192), (8192, 4096), (16, 1024)):
+        for launcher, outputs in (("mm_sum", 1), ("gather_rows", 1), ("gather_rows", 4)):
+            cands = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher=launcher, n=outputs)
+            assert len(cands) <= 36
+            for c in cands:
+                tiles = outputs * -(-M // c.block_m) * -(-N // c.block_n)
+                if c.split_k > 1:
+                    assert c.block_k == 64 and 2 * tiles <= 132, (M, N, c)        # nearest 132, 16 at most:
+                    assert 66 <= tiles * c.split_k <= 264 or c.split_k == 16, (M, N, c)
+                elif c.block_k == 64 and 2 * tiles <= 132:
+                    assert any(x.split_k > 1 and (x.block_m, x.block_n, x.num_warps) == (c.block_m, c.block_n,
+                                                                                        c.num_warps) for x in cands)
+            assert any(c.split_k > 1 for c in cands) == (M < 1024 and (M, N, outputs) != (128, 8192, 4))
         mm = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="mm_sum")
-        plain = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows")
-        assert [c for c in mm if c.split_k == 1] == plain and all(c.split_k == 1 for c in plain)
-        assert len(mm) <= 36
-        for c in mm:
-            tiles = -(-M // c.block_m) * -(-N // c.block_n)
-            if c.split_k > 1:
-                assert c.block_k == 64 and 2 * tiles <= 132 and 66 <= tiles * c.split_k <= 264, (M, N, c)
-            elif c.block_k == 64 and 2 * tiles <= 132:
-                assert any(x.split_k > 1 and (x.block_m, x.block_n, x.num_warps) == (c.block_m, c.block_n, c.num_warps)
-                           for x in mm)
-        assert any(c.split_k > 1 for c in mm) == (M < 1024)
+        assert mm == tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows")   # n 1: one output
+        four = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows", n=4)
+        assert [c for c in four if c.split_k == 1] == [c for c in mm if c.split_k == 1]
     # TMA (on Hopper): the 8-warp 3-stage tiles of >= 64 rows again, persistent with TMA loads
     for M, N in ((16, 4096), (128, 4096), (1024, 4096), (8192, 8192)):
         mm = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="mm_sum")
@@ -118,7 +123,7 @@ def test_tune_candidates_fit_and_follow_m():
         rows = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows")
         rows_tma = tune_candidates(M, N, torch.bfloat16, smoke=False, launcher="gather_rows", tma=True)
         assert rows_tma == rows + [dataclasses.replace(c, tma=True) for c in rows
-                                   if c.block_m >= 64 and (c.num_warps, c.num_stages) == (8, 3)]
+                                   if c.split_k == 1 and c.block_m >= 64 and (c.num_warps, c.num_stages) == (8, 3)]
     assert launcher_shape("matmul_reduce_scatter", 1024, 4096, 4, 0) == ("mm_sum", 1024, 4096, 4096)
     assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 0) == ("gather_rows", 1024, 1024, 4096)
     assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 1) == ("mm_sum", 1024, 1024, 1024)
@@ -155,16 +160,16 @@ def test_smoke_tune_then_table(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    # the first calls made first in 2 processes (fastpipe.kernels.compile_pool): 2 M x (4 mm_sum + 3 gather_rows) configs
+    # the first calls made first in 2 processes (fastpipe.kernels.compile_pool): 2 M x (4 mm_sum + 4 gather_rows) configs
     warm = doc["compile_warmup"]
-    assert (warm["workers"], warm["tasks"], warm["units"], warm["failed"]) == (2, 14, 7, []) and "error" not in warm
-    assert "compile warm-up: 14 first calls (7 kernels' configs) on 2 processes in " in r.stdout
+    assert (warm["workers"], warm["tasks"], warm["units"], warm["failed"]) == (2, 16, 8, []) and "error" not in warm
+    assert "compile warm-up: 16 first calls (8 kernels' configs) on 2 processes in " in r.stdout
     assert {row["kernel"] for row in rows} == {"matmul_reduce_scatter", "all_gather_matmul"}
     for row in rows:
         t = row["tuned"]
         mm_sum = row["kernel"] == "matmul_reduce_scatter"
-        # every candidate ran (the interpreter runs TMA descriptors): 2 plain and 1 TMA, and for mm_sum 1 split-K
-        assert t["check"] == "ok" and t["candidates"] == (4 if mm_sum else 3) and t["ms"] > 0 and t["first_calls_s"] > 0
+        # every candidate ran (the interpreter runs TMA descriptors): 2 plain, 1 split-K and 1 TMA
+        assert t["check"] == "ok" and t["candidates"] == 4 and t["ms"] > 0 and t["first_calls_s"] > 0
         assert t["launcher"] == ("mm_sum" if mm_sum else "gather_rows") and "tune_skipped" not in row
         # the row says which config the fused kernel ran, and that the heuristic (not a tuned table) picked it
         N = 64 if mm_sum else 32                                    # all_gather_matmul: N / n per output

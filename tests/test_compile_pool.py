@@ -82,16 +82,15 @@ def test_default_worker_count(monkeypatch):
 def test_workers_make_every_first_call_and_report_the_failures():
     """Two workers over real kernel calls (the interpreter's on CPU, compiled ones on a GPU): a config the
     launcher refuses is reported with the task and its error, the rest run, and the workers are gone."""
-    bad = _task("all_gather_matmul", cfg=KernelConfig(16, 16, 16, split_k=2))   # gather_rows: no split-K
+    bad = _task(NK=36, cfg=KernelConfig(16, 16, 16, tma=True))     # rows of 72 bytes: TMA cannot load them
     good = [_task(), _task(M=48), _task("all_gather_matmul", M=32)]
     out = compile_pool.warm(good + [bad], 2, timeout_s=240)
     assert "error" not in out, out
     assert (out["workers"], out["tasks"], out["units"]) == (2, 4, 3)
-    assert out["failed"] == [f"{bad.text()}: ValueError: all_gather_matmul: config.split_k: expected 1 (dim 0 "
-                             "writes each tile once; split-K is the mm_sum launcher's: matmul_reduce_scatter, "
-                             "all_gather_matmul dim 1), found 2"]
-    assert bad.text() == ("all_gather_matmul dim 0 (gather_rows M=16 N=32 K=64 n=2 bfloat16) "
-                          "16x16x16 w4 s3 k2")
+    assert out["failed"] == [f"{bad.text()}: ValueError: matmul_reduce_scatter: config.tma: the TMA kernel cannot "
+                             "load these operands: a[0]'s leading stride, 36 elements of 2 bytes, is not a multiple "
+                             "of 16 bytes (TMA's alignment)"]
+    assert bad.text() == "matmul_reduce_scatter dim 0 (mm_sum M=16 N=36 K=36 n=2 bfloat16) 16x16x16 w4 s3 tma"
     assert not multiprocessing.active_children()
 
 

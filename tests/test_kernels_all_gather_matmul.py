@@ -129,15 +129,43 @@ def test_dim1_noncontiguous_shards():
     assert_matches(all_gather_matmul(a, b, dim=1), a, b, 1)
 
 
-def test_dim1_split_k_and_dim0_refuses_it():
-    """dim 1 runs on the mm_sum launcher, so a split-K config applies there; dim 0's kernel writes each
-    tile once and refuses one, naming the field."""
+def test_dim1_split_k():
+    """dim 1 runs on the mm_sum launcher, so its split-K applies there."""
     a, b = operands(3, 1, torch.float32, seed=9)
     cfg = KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1, split_k=3)
     assert_matches(all_gather_matmul(a, b, dim=1, config=cfg), a, b, 1)
-    a, b = operands(2, 0, torch.float32, seed=9)
-    with pytest.raises(ValueError, match="^all_gather_matmul: config.split_k: expected 1 .*found 3$"):
-        all_gather_matmul(a, b, dim=0, config=cfg)
+
+
+@pytest.mark.parametrize("n,split_k", [(1, 2), (2, 3), (3, 2), (4, 16)])
+def test_dim0_split_k_matches_float64(n, split_k):
+    """dim 0 split-K (gather_rows): program (tile, j, s) sums the s-th run of the tile's K-steps into W[j, s], one
+    more launch adds the shares of every output. Outputs of different widths (the workspace's planes are as wide
+    as the widest), shards whose rows split tiles (M_i = 7), K (75) not a multiple of the K step nor of split_k's
+    runs, and split_k past the K-steps (16 > 5: some programs get no steps, and write zeros)."""
+    g = torch.Generator().manual_seed(n * 10 + split_k)
+    a = [torch.randn(7, 75, generator=g).to(DEV) for _ in range(n)]
+    b = [torch.randn(5 + 13 * j, 75, generator=g).t().to(DEV) for j in range(n)]     # w.t(), N_j 5, 18, 31, 44
+    cfg = KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1, split_k=split_k)
+    outs = all_gather_matmul(a, b, dim=0, config=cfg)
+    full = torch.cat([x.double() for x in a])
+    for o, bj in zip(outs, b):
+        assert o.shape == (7 * n, bj.shape[1]) and o.dtype == torch.float32
+        torch.testing.assert_close(o.double(), full @ bj.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_dim0_split_k_is_two_launches_and_deterministic(monkeypatch):
+    """split_k > 1 at dim 0: the shares' launch (grid axis 2 = the share, axis 1 = the output) and ONE launch
+    that adds them for every output; the same inputs give the same bits (the shares added in a fixed order)."""
+    shares, sums = Launches(agm._gather_rows_kernel), Launches(agm._gather_split_k_sum_kernel)
+    monkeypatch.setattr(agm, "_gather_rows_kernel", shares)
+    monkeypatch.setattr(agm, "_gather_split_k_sum_kernel", sums)
+    a, b = operands(3, 0, torch.bfloat16, seed=4)
+    cfg = KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1, split_k=4)
+    first = all_gather_matmul(a, b, dim=0, config=cfg)
+    again = all_gather_matmul(a, b, dim=0, config=cfg)
+    assert [g[1:] for g in shares.grids] == [(3, 4)] * 2 and [g[2] for g in sums.grids] == [3] * 2
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    assert_matches(first, a, b, 0)
 
 
 def test_outputs_are_fresh():
@@ -234,6 +262,24 @@ def test_gpu_scale_bf16(M, n, dim):
         a = [torch.randn(M, K // n, generator=g).bfloat16().cuda() for _ in range(n)]
     b = [torch.randn(N, K, generator=g).bfloat16().cuda().t() for _ in range(n)]
     assert_matches(all_gather_matmul(a, b, dim=dim), a, b, dim, tol=(8e-3, 1e-5))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,split_k", [(2, 4), (4, 2), (4, 16)])
+def test_gpu_dim0_split_k_bf16_and_in_a_captured_graph(n, split_k):
+    """dim 0 split-K at a decode's M on the GPU (M 16, K 4096: the n outputs' 16 x 4096/n tiles alone leave most
+    SMs idle), eagerly and replayed from a CUDA graph (the shares' workspace then from the graph's pool), the
+    replay bit-equal to the eager run (the shares added in a fixed order)."""
+    from tests.kernel_launches import replayed
+
+    g = torch.Generator().manual_seed(n * 100 + split_k)
+    a = [torch.randn(16 // n, 4096, generator=g).bfloat16().cuda() for _ in range(n)]
+    b = [torch.randn(4096 // n, 4096, generator=g).bfloat16().cuda().t() for _ in range(n)]
+    cfg = KernelConfig(16, 64, 64, group_m=8, num_warps=4, num_stages=4, split_k=split_k)
+    eager = all_gather_matmul(a, b, dim=0, config=cfg)
+    assert_matches(eager, a, b, 0, tol=(8e-3, 1e-5))
+    captured = replayed(lambda: all_gather_matmul(a, b, dim=0, config=cfg))
+    assert all(torch.equal(x, y) for x, y in zip(captured, eager))
 
 
 @pytest.mark.cuda

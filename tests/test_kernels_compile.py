@@ -115,6 +115,20 @@ def test_a_split_k_config_compiles_for_hopper(tmp_path):
     assert all(r["mma"] == "wgmma" and r["loads"] == "cp.async" for r in shares), shares
 
 
+def test_a_gather_rows_split_k_config_compiles_for_hopper(tmp_path):
+    """all_gather_matmul dim 0 split-K 4 at a decode's M (16 x 2048 tiles of 64 columns, 2 outputs): the shares'
+    kernel keeps pipelined loads, and the one launch that adds every output's shares compiles without spills."""
+    done, rows = compile_kernels(tmp_path, "--kernel", "all_gather_matmul", "--ms", "16", "--nk", "4096",
+                                 "--ns", "2", "--config", "16,64,64,4,4,4")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    shares = [r for r in rows if r["kernel"] == "_gather_rows_kernel"]
+    sums = [r for r in rows if r["kernel"] == "_gather_split_k_sum_kernel"]
+    assert shares and sums, rows
+    for r in shares + sums:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["config"].endswith(" k4"), r
+    assert all(r["loads"] == "cp.async" for r in shares), shares
+
+
 def test_the_tma_kernels_compile_for_hopper_with_tma_loads(tmp_path):
     """KernelConfig(tma=True): both persistent kernels load every operand tile with TMA
     (cp.async.bulk.tensor) into the warpgroup MMA, for b = w.t() (transposed boxes) in bf16, dims 0 and

@@ -518,9 +518,14 @@ shards = [torch.empty(1000, 1024, dtype=bf) for _ in range(2)]
 c = [torch.empty(2000, 2048, dtype=bf) for _ in range(2)]
 k2 = _gather_rows_kernel.warmup(
     tuple(shards), (1024, 1024), (1, 1), tuple(b), (1, 1), (1024, 1024), tuple(c), (2048, 2048), (1, 1),
-    (2048, 2048), 1000, 1024, NPART=2, SAME_SAK=True, SAME_OUT=True, ROW_ALIGN=16, INPUT_PRECISION="ieee",
-    DOT_F32=False, grid=(1, 2), **blocks)
-for name, k in (("mm_sum", k1), ("gather_rows", k2), ("mm_sum_split_k", k3)):
+    (2048, 2048), c[0], 1000, 1024, 2048, NPART=2, SPLIT_K=1, SAME_SAK=True, SAME_OUT=True, ROW_ALIGN=16,
+    INPUT_PRECISION="ieee", DOT_F32=False, grid=(1, 2, 1), **blocks)
+ws2 = torch.empty(2 * 4 * 2000 * 2048, dtype=torch.float32)
+k4 = _gather_rows_kernel.warmup(   # split-K 4: each (tile, output) program a quarter of the K-steps, into ws2
+    tuple(shards), (1024, 1024), (1, 1), tuple(b), (1, 1), (1024, 1024), tuple(c), (2048, 2048), (1, 1),
+    (2048, 2048), ws2, 1000, 1024, 2048, NPART=2, SPLIT_K=4, SAME_SAK=True, SAME_OUT=True, ROW_ALIGN=16,
+    INPUT_PRECISION="ieee", DOT_F32=False, grid=(1, 2, 4), **dict(blocks, BLOCK_N=128))
+for name, k in (("mm_sum", k1), ("gather_rows", k2), ("mm_sum_split_k", k3), ("gather_rows_split_k", k4)):
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     print(name, "wgmma" in ptx, ttgir.count("async_copy_global_to_local"), ttgir.count("tt.load "))
 '''
@@ -544,7 +549,7 @@ def test_kernels_compile_for_hopper_with_wgmma_and_pipelined_loads(tmp_path):
     if run.stdout.startswith("SKIP:"):
         pytest.skip(run.stdout.strip())
     rows = [line.split() for line in run.stdout.strip().splitlines()]
-    assert [r[0] for r in rows] == ["mm_sum", "gather_rows", "mm_sum_split_k"], run.stdout
+    assert [r[0] for r in rows] == ["mm_sum", "gather_rows", "mm_sum_split_k", "gather_rows_split_k"], run.stdout
     for name, wgmma, async_copies, sync_loads in rows:
         assert wgmma == "True", f"{name}: no wgmma in the PTX"
         assert int(async_copies) >= 2 and int(sync_loads) == 0, f"{name}: loads not pipelined: {run.stdout}"

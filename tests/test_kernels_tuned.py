@@ -61,9 +61,6 @@ def test_tuned_entry_wins_where_it_applies(tmp_path, monkeypatch, on_h100):
     ({"format": 1, "entries": [entry(8, 16), {**entry(8, 16), "config": {"block_m": 24}}]}, "entries[1].config"),
     ({"format": 1, "entries": [{**entry(8, 16), "config": {**entry(8, 16)["config"], "split_k": 0}}]},
      "entries[0].config: expected KernelConfig fields"),
-    ({"format": 1, "entries": [{**entry(8, 16, launcher="gather_rows"), "config": {**entry(8, 16)["config"],
-                                                                               "split_k": 2}}]},
-     "entries[0].config.split_k: expected 1 for the gather_rows launcher"),
 ])
 def test_bad_table_is_reported_once_and_not_used(tmp_path, monkeypatch, on_h100, doc, field):
     monkeypatch.delenv("FASTPIPE_TUNED_CONFIGS", raising=False)
@@ -100,3 +97,8 @@ def test_a_split_k_config_applies_only_near_its_m(tmp_path, monkeypatch, on_h100
     assert heuristic.split_k == 1 and heuristic.block_m == 128 and heuristic.num_stages != 5
     write(tmp_path, monkeypatch, {"format": 1, "entries": [entry(16, 16), entry(128, 64)]})
     assert pick(8192).block_m == 64                   # a plain config: above the largest M too
+    # gather_rows (all_gather_matmul dim 0) takes split-K configs too, on the same terms
+    rows = {**entry(16, 64, launcher="gather_rows"), "config": {**entry(16, 64)["config"], "split_k": 8}}
+    write(tmp_path, monkeypatch, {"format": 1, "entries": [rows]})
+    pick_rows = lambda M: pick_config(M, 4096, 4096, torch.bfloat16, "cuda", launcher="gather_rows", n=2)  # noqa: E731
+    assert pick_rows(16).split_k == 8 and pick_rows(64).split_k == 1

@@ -26,7 +26,7 @@ Fused matmul + collective kernels (tensor parallelism's row- and column-parallel
   on any where that GPU was not measured; measured by
   ``bench/bench_fused_kernels.py``; ``fusion_rule.estimate`` gives the reason too);
   ``pick_config`` and ``KernelConfig`` -- the launchers' block-size heuristic and its override
-  (``KernelConfig.split_k`` and ``.tma``, the persistent TMA kernel of ``mm_sum_tma``, are options
+  (``KernelConfig.split_k``, for both launchers, and ``.tma``, the persistent TMA kernels, are options
   only a config measured on the GPU or passed by the caller picks).
 
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors; that is how the tests run

@@ -54,7 +54,7 @@ from fastpipe.kernels.mm_reduce_scatter_kernel import (
     triton,
     use_tma,
 )
-from fastpipe.kernels.tiles import grouped_tile
+from fastpipe.kernels.tiles import grouped_tile, store_tile
 
 __all__ = ["all_gather_matmul", "all_gather_matmul_overlapped", "all_gather_matmul_reference"]
 
@@ -94,8 +94,10 @@ if triton is not None:
         B, SBK, SBN,             # tuples of NPART: b[j] -> [K, N_j] and its strides
         C, SCM, SCN,             # tuples of NPART: out_j -> [NPART * M_SHARD, N_j] and its strides
         NS,                      # tuple of NPART: N_j
-        M_SHARD, K,
+        W,                       # SPLIT_K > 1: float32 workspace [NPART, SPLIT_K, M, N_MAX] (else unused)
+        M_SHARD, K, N_MAX,
         NPART: tl.constexpr,
+        SPLIT_K: tl.constexpr,   # programs per output tile (grid axis 2), each a share of the K-steps
         SAME_SAK: tl.constexpr,  # every shard has the same K stride (then loads vectorize along K)
         SAME_OUT: tl.constexpr,  # every b[j] and out_j have the same N_j and strides (read from [0], so
                                  # Triton's specialization of a stride of 1 survives: vectorized loads)
@@ -107,7 +109,9 @@ if triton is not None:
         """out_j[tile] = cat(A; 0)[rows] @ B[j][:, cols]; j = program_id(1), row r from shard r // M_SHARD.
 
         One launch covers every output: axis 1 of the grid is j, axis 0 the tiles of an
-        [M, max N_j] output (programs past their own N_j return at once)."""
+        [M, max N_j] output (programs past their own N_j return at once). With SPLIT_K > 1,
+        program (tile, j, s) sums the s-th of SPLIT_K equal runs of the tile's K-steps into
+        W[j, s]; ``_gather_split_k_sum_kernel`` then adds the shares and writes the tiles."""
         j = tl.program_id(1)
         # this program's output: b[j], out_j and their shape, picked from the tuples (static unroll)
         b_base, c_base = B[0], C[0]
@@ -152,9 +156,18 @@ if triton is not None:
             a_step = BLOCK_K * sak[:, None]
         offs_bn = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
         b_ptrs = b_base + (offs_k[:, None] * sbk + offs_bn[None, :] * sbn)
+        if SPLIT_K > 1:   # this program's run [k0, k1) of the tile's K-steps
+            per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+            k0 = tl.program_id(2) * per
+            k1 = min(k0 + per, tl.cdiv(K, BLOCK_K))
+            a_ptrs += k0 * a_step
+            b_ptrs += k0 * BLOCK_K * sbk
+        else:
+            k0 = 0
+            k1 = tl.cdiv(K, BLOCK_K)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(k0, k1):
             k_left = K - k * BLOCK_K
             a_t = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b_t = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
@@ -165,14 +178,49 @@ if triton is not None:
             a_ptrs += a_step
             b_ptrs += BLOCK_K * sbk
 
-        c_t = acc.to(C[0].dtype.element_ty)
         offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_ptrs = c_base + (offs_cm.to(tl.int64)[:, None] * scm + offs_cn.to(tl.int64)[None, :] * scn)
-        tl.store(c_ptrs, c_t, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+        if SPLIT_K > 1:   # W[j, s] is a row-major [M, N_MAX] float32 plane
+            plane = W + (j * SPLIT_K + tl.program_id(2)).to(tl.int64) * M * N_MAX
+            store_tile(plane, acc, offs_cm, offs_cn, M, N, N_MAX, 1, 1, 0, False)
+        else:
+            c_t = acc.to(C[0].dtype.element_ty)
+            c_ptrs = c_base + (offs_cm.to(tl.int64)[:, None] * scm + offs_cn.to(tl.int64)[None, :] * scn)
+            tl.store(c_ptrs, c_t, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+    @triton.jit
+    def _gather_split_k_sum_kernel(
+        W, C, SCM, SCN, NS,      # the shares [NPART, SPLIT_K, M, N_MAX]; tuples of NPART: out_j, strides, N_j
+        M, N_MAX,
+        NPART: tl.constexpr, SPLIT_K: tl.constexpr, SAME_OUT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """out_j[tile] = sum_s W[j, s][tile], the shares added in order s = 0, 1, ... (deterministic), rounded
+        once to out_j's dtype; j = program_id(2), so one launch writes every output."""
+        j = tl.program_id(2)
+        c_base = C[0]
+        N, scm, scn = NS[0], SCM[0], SCN[0]
+        for s in tl.static_range(1, NPART):
+            c_base = tl.where(j == s, C[s], c_base)
+            if not SAME_OUT:
+                N = tl.where(j == s, NS[s], N)
+                scm = tl.where(j == s, SCM[s], scm)
+                scn = tl.where(j == s, SCN[s], scn)
+        if tl.program_id(1) * BLOCK_N >= N:   # past this output's columns
+            return
+        offs_cm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_cn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_cm[:, None] < M) & (offs_cn[None, :] < N)
+        rows = offs_cm.to(tl.int64)
+        planes = W + j.to(tl.int64) * SPLIT_K * M * N_MAX
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(planes + ((rows + s * M)[:, None] * N_MAX + offs_cn[None, :]), mask=mask, other=0.0)
+        c_ptrs = c_base + (rows[:, None] * scm + offs_cn.to(tl.int64)[None, :] * scn)
+        tl.store(c_ptrs, acc.to(C[0].dtype.element_ty), mask=mask)
 
 else:  # pragma: no cover
-    _gather_rows_kernel = None
+    _gather_rows_kernel = _gather_split_k_sum_kernel = None
 
 
 # ---------------------------------------------------------------------------
@@ -188,10 +236,6 @@ def launch_gather_rows(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
     leave most SMs idle at a decode's M, and wait for the previous one)."""
     what = "all_gather_matmul"
     _require_launchable(what, outs[0].device)
-    if config is not None and config.split_k != 1:
-        raise ValueError(f"{what}: config.split_k: expected 1 (dim 0 writes each tile once; split-K is the "
-                         f"mm_sum launcher's: matmul_reduce_scatter, all_gather_matmul dim 1), "
-                         f"found {config.split_k}")
     ms, K = a[0].shape
     M = outs[0].shape[0]
     ns = [int(o.shape[1]) for o in outs]
@@ -206,20 +250,30 @@ def launch_gather_rows(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
             if gather_rows_tma.launch_gather_rows_tma(a, b, outs, cfg, input_precision=_input_precision(b[0].dtype),
                                                       dot_f32=dot_f32(b[0].dtype), sms=_num_sms(outs[0].device)):
                 return
+    # (a TMA config that did not launch runs its tiles here; split_k is 1 with tma)
     saks = tuple(x.stride(1) for x in a)
     shapes = {(nj, bj.stride(), o.stride()) for nj, bj, o in zip(ns, b, outs)}
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(nmax, cfg.block_n), len(outs))
+    sk, n = cfg.split_k, len(outs)
+    c_args = (tuple(outs), tuple(o.stride(0) for o in outs), tuple(o.stride(1) for o in outs), tuple(ns))
+    # split-K: the shares' float32 [n, split_k, M, max N_j] workspace (from the caching allocator; inside a
+    # captured graph, from the graph's pool)
+    ws = torch.empty(n * sk * M * nmax, dtype=torch.float32, device=outs[0].device) if sk > 1 else outs[0]
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(nmax, cfg.block_n), n, sk)
     with device_guard(outs[0].device):  # Triton launches on the current device, not the tensors'
         _gather_rows_kernel[grid](
             tuple(a), tuple(x.stride(0) for x in a), saks,
             tuple(b), tuple(x.stride(0) for x in b), tuple(x.stride(1) for x in b),
-            tuple(outs), tuple(o.stride(0) for o in outs), tuple(o.stride(1) for o in outs), tuple(ns),
-            ms, K,
-            NPART=len(a), SAME_SAK=len(set(saks)) == 1, SAME_OUT=len(shapes) == 1, ROW_ALIGN=_row_align(a),
-            INPUT_PRECISION=_input_precision(b[0].dtype), DOT_F32=dot_f32(b[0].dtype),
+            *c_args, ws, ms, K, nmax,
+            NPART=len(a), SPLIT_K=sk, SAME_SAK=len(set(saks)) == 1, SAME_OUT=len(shapes) == 1,
+            ROW_ALIGN=_row_align(a), INPUT_PRECISION=_input_precision(b[0].dtype), DOT_F32=dot_f32(b[0].dtype),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        if sk > 1:   # memory-bound: 32x128 tiles of 4 warps, as mm_sum's shares' sum
+            bm, bn = min(cfg.block_m, 32), min(cfg.block_n, 128)
+            _gather_split_k_sum_kernel[(triton.cdiv(M, bm), triton.cdiv(nmax, bn), n)](
+                ws, *c_args, M, nmax, NPART=n, SPLIT_K=sk, SAME_OUT=len(shapes) == 1, BLOCK_M=bm, BLOCK_N=bn,
+                num_warps=4)
 
 
 def _row_align(a: Sequence[Tensor]) -> int:

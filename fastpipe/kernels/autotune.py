@@ -34,20 +34,19 @@ MIN_GAIN = 0.03
 
 
 def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: str = "mm_sum",
-                    sms: int = 132, tma: bool = False) -> list[KernelConfig]:
+                    sms: int = 132, tma: bool = False, n: int = 1) -> list[KernelConfig]:
     """The configs a tuning times (``fastpipe tune``; ``bench/bench_fused_kernels.py --tune``): block_m
     around M's power of two (16..128), block_n 64/128/256 (not past N), block_k 64/128, (4 warps, 4 stages) or (8 warps, 3 stages); at most ~200 KiB of shared
     memory (an H100 has 227 KiB a block) and at most 128 fp32 accumulators a thread (128x256 on 4
     warps needs 256 and spills kilobytes of registers on sm_90: scripts/compile_kernels.py
-    --tune-candidates). For the mm_sum launcher, also split-K (``split_k_candidates``) where a
-    config's tiles would leave most of the GPU's ``sms`` SMs idle; with ``tma`` (a GPU of compute
-    capability 9.0 or newer), for both launchers, the persistent TMA kernel (``tma_candidates``).
-    smoke: interpreter-sized ones (for mm_sum one split-K; with ``tma`` one TMA)."""
+    --tune-candidates). Also split-K (``split_k_candidates``) where a config's tiles would leave most of
+    the GPU's ``sms`` SMs idle (gather_rows: the tiles of its ``n`` outputs together, one launch); with
+    ``tma`` (a GPU of compute capability 9.0 or newer) the persistent TMA kernel (``tma_candidates``).
+    smoke: interpreter-sized ones (one split-K; with ``tma`` one TMA)."""
     if smoke:
         tiny = KernelConfig(16, 16, 16, group_m=4, num_warps=4, num_stages=1)
         small = [tiny, dataclasses.replace(tiny, block_m=32, block_n=32, block_k=32)]
-        split = [dataclasses.replace(tiny, split_k=2)] if launcher == "mm_sum" else []
-        return small + split + ([dataclasses.replace(tiny, tma=True)] if tma else [])
+        return small + [dataclasses.replace(tiny, split_k=2)] + ([dataclasses.replace(tiny, tma=True)] if tma else [])
     p = 16
     while p < M and p < 128:
         p *= 2
@@ -63,7 +62,7 @@ def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: s
                     if stages * (bm * bk + bk * bn) * elt > 200 * 1024 or bm * bn > 128 * 32 * warps:
                         continue
                     out.append(KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages))
-    split = split_k_candidates(M, N, out, sms) if launcher == "mm_sum" else []
+    split = split_k_candidates(M, N, out, sms, outputs=n if launcher == "gather_rows" else 1)
     return out + split + (tma_candidates(out) if tma else [])
 
 
@@ -75,12 +74,13 @@ def tma_candidates(configs: list[KernelConfig]) -> list[KernelConfig]:
             if c.block_m >= 64 and (c.num_warps, c.num_stages) == (8, 3)]
 
 
-def split_k_candidates(M: int, N: int, configs: list[KernelConfig], sms: int) -> list[KernelConfig]:
-    """Split-K versions of those block_k 64 configs whose M x N output has at most half as many tiles as
-    the GPU has SMs: split_k the power of two (2..16) that brings tiles x split_k nearest to ``sms``."""
+def split_k_candidates(M: int, N: int, configs: list[KernelConfig], sms: int, outputs: int = 1) -> list[KernelConfig]:
+    """Split-K versions of those block_k 64 configs whose ``outputs`` M x N outputs (one launch) have at most
+    half as many tiles as the GPU has SMs: split_k the power of two (2..16) that brings tiles x split_k
+    nearest to ``sms``."""
     out = []
     for c in configs:
-        tiles = -(-M // c.block_m) * -(-N // c.block_n)
+        tiles = outputs * -(-M // c.block_m) * -(-N // c.block_n)
         if c.block_k != 64 or 2 * tiles > sms:
             continue
         sk = min((2 ** e for e in range(1, 5)), key=lambda k: abs(math.log2(tiles * k / sms)))
@@ -130,11 +130,11 @@ def candidates_for(call: KernelCall, smoke: bool | None = None) -> list[KernelCo
     from fastpipe.kernels import mm_sum_tma
     from fastpipe.kernels.mm_reduce_scatter_kernel import _num_sms
 
-    launcher, M, N, _, _ = call.launch()
+    launcher, M, N, _, n = call.launch()
     device = torch.device(call.device)
     smoke = device.type != "cuda" if smoke is None else smoke
     tma = mm_sum_tma.device_problem(device) is None if device.type == "cuda" else smoke
-    return tune_candidates(M, N, getattr(torch, call.dtype), smoke, launcher, _num_sms(device), tma=tma)
+    return tune_candidates(M, N, getattr(torch, call.dtype), smoke, launcher, _num_sms(device), tma=tma, n=n)
 
 
 def heuristic(call: KernelCall) -> KernelConfig:

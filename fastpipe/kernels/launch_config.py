@@ -16,11 +16,12 @@ class KernelConfig:
     block_m/block_n/block_k: the output tile and the K step (powers of two, >= 16: tl.dot's minimum).
     group_m: row tiles per group in the grouped (L2-friendly) program order.
     num_warps/num_stages: Triton's; stages is the depth of the software pipeline of loads.
-    split_k: the mm_sum launcher only (matmul_reduce_scatter; all_gather_matmul dim 1): the K-loop
-    cut into this many programs per output tile, each summing its share of the K-steps (over all
-    participants) into a float32 workspace, then one more launch adds the shares in a fixed order
-    and writes the tile. More programs where the output has fewer tiles than the GPU has SMs (a
-    decode's M), at the cost of split_k x M x N x 4 bytes written and read back. 1: no split.
+    split_k: the K-loop cut into this many programs per output tile, each summing its share of the
+    K-steps (for mm_sum over all participants; for gather_rows, all_gather_matmul dim 0, of each
+    output j) into a float32 workspace, then one more launch adds the shares in a fixed order and
+    writes the tiles. More programs where the output has fewer tiles than the GPU has SMs (a
+    decode's M), at the cost of split_k x M x N x 4 bytes (gather_rows: per output) written and read
+    back. 1: no split.
     tma: the persistent kernel that loads tiles with Hopper's tensor memory accelerator
     (``fastpipe.kernels.mm_sum_tma`` for the mm_sum launcher, ``gather_rows_tma`` for gather_rows): one
     program per SM, each taking output tiles in turn, the operand tiles copied into shared memory by

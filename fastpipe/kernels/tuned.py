@@ -14,8 +14,8 @@ launcher: the kernel launched, ``mm_sum`` (matmul_reduce_scatter; all_gather_mat
 longest participant's K, participants). An entry applies to the GPU whose name it records (a config
 tuned on one GPU says nothing of another's), the same dtype, N, K and n, and to calls whose M is within
 a factor of two of its own (M/2 < call's M <= 2M; the nearest entry wins, a tie the larger), and above
-the largest measured M, to every M -- but a split-K config (``config.split_k`` > 1; the mm_sum
-launcher's only) only within its factor of two: a larger M fills the GPU with its own tiles. A
+the largest measured M, to every M -- but a split-K config (``config.split_k`` > 1) only within its
+factor of two: a larger M fills the GPU with its own tiles. A
 config with ``"tma": true`` runs the launcher's persistent TMA kernel (``mm_sum_tma``,
 ``gather_rows_tma``); where a call's operands do not suit TMA its tiles run with pointer loads, with a
 warning.
@@ -64,9 +64,6 @@ def parse_table(doc, where: str) -> dict[tuple, list[tuple[int, object]]]:
             cfg = KernelConfig(**e["config"])
         except (TypeError, ValueError) as err:
             raise ValueError(f"{at}.config: expected KernelConfig fields, found {e['config']!r} ({err})") from None
-        if e["launcher"] == "gather_rows" and cfg.split_k != 1:
-            raise ValueError(f"{at}.config.split_k: expected 1 for the gather_rows launcher (split-K is mm_sum's), "
-                             f"found {cfg.split_k}")
         key = (e["launcher"], e["device"], e["dtype"], e["N"], e["K"], e["n"])
         out.setdefault(key, []).append((e["M"], cfg))
     for rows in out.values():
