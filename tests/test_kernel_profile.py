@@ -29,6 +29,13 @@ def test_summarize_counts_device_work_per_run_and_the_time_it_covered():
                             {"name": "copy", "count": 0.5, "us": 1.0}]
     assert [k["name"] for k in summarize(events, 2, True, top=1)["kernels"]] == ["a"]
     assert summarize([_x("k", 0, 4), _x("k", 4, 4)], 1, True)["covered_us"] == 8   # touching, not overlapping
+    assert summarize([_x("k", 0, 4, cat="Kernel"), _x("c", 5, 1, cat="Memcpy")], 1, True)["launched"] == 2  # older
+
+
+def test_a_trace_without_device_work_is_an_error_not_a_zero():
+    with pytest.raises(ValueError, match=r"^kernel_profile: the trace has no device work \(its categories: "
+                                         r"cpu_op, cuda_runtime\)$"):
+        summarize([_x("aten::mm", 0, 3, cat="cpu_op"), _x("cudaGraphLaunch", 0, 2, cat="cuda_runtime")], 1, True)
 
 
 def test_summarize_on_cpu_takes_each_threads_outermost_ops():

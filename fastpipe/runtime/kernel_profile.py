@@ -22,7 +22,8 @@ import tempfile
 
 import torch
 
-GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")       # kineto's trace categories of device work
+# kineto's trace categories of device work (compared in lower case; "memcpy"/"memset": older kinetos' names)
+GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset")
 
 
 def profile(fn, device, runs: int = 5, top: int = 6) -> dict:
@@ -52,9 +53,14 @@ def profile(fn, device, runs: int = 5, top: int = 6) -> dict:
 
 def summarize(events: list[dict], runs: int, gpu: bool, top: int = 6) -> dict:
     """A chrome trace's complete events ("ph": "X") of device work (``GPU_EVENTS``), or on CPU its outermost
-    torch ops per thread, as per-run totals (module docstring)."""
+    torch ops per thread, as per-run totals (module docstring). ValueError where there are none: a profile of
+    nothing is not a profile of a call that took no time."""
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e and
-             (e.get("cat") in GPU_EVENTS if gpu else e.get("cat") == "cpu_op")]
+             (str(e.get("cat", "")).lower() in GPU_EVENTS if gpu else e.get("cat") == "cpu_op")]
+    if not spans:
+        seen = sorted({str(e["cat"]) for e in events if "cat" in e})
+        raise ValueError(f"kernel_profile: the trace has no {'device work' if gpu else 'torch op'} (its categories: "
+                         f"{', '.join(seen) or 'none'})")
     if not gpu:
         spans = _outermost(spans)
     by_name: dict[str, list] = {}
