@@ -1,0 +1,112 @@
+"""scripts/ingest_gpu_check.py: a gpu_check call's $OUT brought into the repository as BENCHMARKS.md's plan says --
+the raw fused rows under bench/measured/, the shipped rule written again from every committed run (oldest first),
+tuned configs merged, the shapes copied -- on a made-up H100 call built from the committed H200 run."""
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+
+from fastpipe.kernels.fusion_rule import rows_of, table_from_rows
+from tests.examples import ROOT
+
+H200 = ROOT / "bench" / "measured" / "fused_h200_2026-11-26.json"
+SCRIPT = ROOT / "scripts" / "ingest_gpu_check.py"
+
+
+def _repo(tmp_path):
+    """The parts of a repository the script writes: bench/measured/ with the H200 run, fastpipe/kernels/ with a
+    tuned table holding another GPU's entry."""
+    root = tmp_path / "repo"
+    (root / "bench" / "measured").mkdir(parents=True)
+    (root / "fastpipe" / "kernels").mkdir(parents=True)
+    shutil.copyfile(H200, root / "bench" / "measured" / H200.name)
+    (root / "fastpipe" / "kernels" / "tuned_configs.json").write_text(json.dumps(
+        {"format": 1, "entries": [_entry("NVIDIA H200", 16), _entry("NVIDIA H100 80GB HBM3", 128, block_m=32)]}))
+    return root
+
+
+def _entry(device, M, block_m=64):
+    return {"launcher": "mm_sum", "device": device, "dtype": "bfloat16", "M": M, "N": 4096, "K": 4096, "n": 2,
+            "config": {"block_m": block_m, "block_n": 128, "block_k": 64, "group_m": 8, "num_warps": 4,
+                       "num_stages": 4}, "ms": 0.1, "heuristic_ms": 0.2}
+
+
+def _out(tmp_path):
+    """A call's $OUT as it comes back: summary.txt, fused.json and tuned_configs.json loose, shapes.json and a log in
+    logs.tar.gz (as gpu_check packs them past 8 files)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    fused = json.loads(H200.read_text())
+    fused["machine"] = {**fused["machine"], "device": "NVIDIA H100 80GB HBM3", "date": "2026-12-01"}
+    for r in fused["rows"]:
+        r["speedup"] *= 1.5                                    # another GPU's numbers
+    (out / "fused.json").write_text(json.dumps(fused))
+    (out / "tuned_configs.json").write_text(json.dumps({"format": 1, "entries": [
+        _entry("NVIDIA H100 80GB HBM3", 128), _entry("NVIDIA H100 80GB HBM3", 1024)]}))
+    (out / "summary.txt").write_text("tests: rc=0 in 250 s of 515 (3110 passed)\nrun finished in 248 s, pytest exit "
+                                     "status 0\nall:  3110 passed, 0 failed, 30 skipped\ncuda: 160 passed, 0 failed\n"
+                                     "slowest 10:\n")
+    shapes = {"machine": {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-01"}, "points": [{"M": 16}], "exit": 0}
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        for name, text in (("shapes.json", json.dumps(shapes)), ("tests.log", "ok\n")):
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out, fused
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def test_ingest_writes_the_runs_files_and_the_rule_from_every_committed_run(tmp_path):
+    root, (out, fused) = _repo(tmp_path), _out(tmp_path)
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    dry = _run(out, "--root", root, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before          # wrote nothing
+    done = _run(out, "--root", root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == dry.stdout.replace("(dry run) ", "")
+    measured = root / "bench" / "measured"
+    new = measured / "fused_h100_2026-12-01.json"
+    assert json.loads(new.read_text()) == fused
+    # the rule: exactly what bench_fused_kernels --threshold --write-rule makes from both runs, the H200's first
+    raws = [json.loads(H200.read_text()), fused]
+    want = table_from_rows([r for d in raws for r in rows_of(d)], [d["machine"] for d in raws], [H200.name, new.name])
+    rule = json.loads((root / "fastpipe" / "kernels" / "fusion_measured.json").read_text())
+    assert rule == want and {p["device"] for p in rule["points"]} == {"NVIDIA H200", "NVIDIA H100 80GB HBM3"}
+    # tuned configs: the H100's entry at M 128 replaced, its M 1024 added, the H200's kept
+    tuned = json.loads((root / "fastpipe" / "kernels" / "tuned_configs.json").read_text())
+    assert [(e["device"], e["M"], e["config"]["block_m"]) for e in tuned["entries"]] == [
+        ("NVIDIA H200", 16, 64), ("NVIDIA H100 80GB HBM3", 128, 64), ("NVIDIA H100 80GB HBM3", 1024, 64)]
+    assert json.loads((measured / "shapes_h100_2026-12-01.json").read_text())["points"] == [{"M": 16}]
+    lines = done.stdout.splitlines()
+    assert lines[:4] == ["summary.txt: tests: rc=0 in 250 s of 515 (3110 passed)",
+                         "summary.txt: run finished in 248 s, pytest exit status 0",
+                         "summary.txt: all:  3110 passed, 0 failed, 30 skipped",
+                         "summary.txt: cuda: 160 passed, 0 failed"]
+    assert f"fastpipe/kernels/fusion_measured.json: {len(want['points'])} points from {H200.name}, {new.name}" in lines
+    # a second call of the same day: its own file, and the rule from all three
+    again = _run(out, "--root", root)
+    assert again.returncode == 0 and (measured / "fused_h100_2026-12-01_2.json").exists(), again.stderr
+    assert json.loads((root / "fastpipe" / "kernels" / "fusion_measured.json").read_text())["sources"] == [
+        H200.name, new.name, "fused_h100_2026-12-01_2.json"]
+
+
+def test_ingest_refuses_a_folder_without_results_and_a_bad_file(tmp_path):
+    root = _repo(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "summary.txt").write_text("all:  1 passed\n")
+    r = _run(empty, "--root", root)
+    assert r.returncode == 2 and r.stderr.startswith("ingest_gpu_check: ValueError: ") and "found none" in r.stderr
+    (empty / "fused.json").write_text(json.dumps({"rows": []}))
+    r = _run(empty, "--root", root)
+    assert r.returncode == 2 and "fused.json: expected bench_fused_kernels' result" in r.stderr
+    assert sorted(p.name for p in (root / "bench" / "measured").iterdir()) == [H200.name]
