@@ -75,22 +75,9 @@ def rule_from(measured: dict[str, Path]) -> dict:
     return table_from_rows(rows, [docs[name]["machine"] for name in names], names)
 
 
-def merged_tuned(old: dict | None, new: dict) -> dict:
-    """fastpipe.kernels.tuned's table: ``old``'s entries less the keys ``new`` has, then ``new``'s; "fusion" points
-    kept as ``old`` had them (gpu_check's tune stage writes none)."""
-    def key(e):
-        return e["launcher"], e["device"], e["dtype"], e["N"], e["K"], e["n"], e["M"]
-
-    now = {key(e) for e in new["entries"]}
-    doc = {"format": 1, "entries": [e for e in (old or {}).get("entries", []) if key(e) not in now] + new["entries"]}
-    if (old or {}).get("fusion"):
-        doc["fusion"] = old["fusion"]
-    return doc
-
-
 def ingest(folder: Path, root: Path, dry_run: bool) -> list[str]:
     """What was (or, dry, would be) written, a line each; ValueError where a file is not its stage's."""
-    from fastpipe.kernels.tuned import parse_table
+    from fastpipe.kernels.tuned import entry_key, parse_table, with_entries
 
     lines = []
     measured_dir = root / "bench" / "measured"
@@ -105,13 +92,14 @@ def ingest(folder: Path, root: Path, dry_run: bool) -> list[str]:
         if fused.exists():
             doc = json.loads(fused.read_text())
             machine = doc.get("machine") if isinstance(doc, dict) else None
-            if not machine or not machine.get("device") or not machine.get("date") or not rows_of(doc):
+            rows = rows_of(doc) if machine else []
+            if not machine or not machine.get("device") or not machine.get("date") or not rows:
                 raise ValueError("fused.json: expected bench_fused_kernels' result (machine.device, machine.date, "
                                  "rows), found " + str(doc)[:80])
             dest = free_name(measured_dir, f"fused_{gpu_slug(machine['device'])}_{machine['date']}")
             table = rule_from({**{p.name: p for p in measured_dir.glob("fused_*.json")}, dest.name: fused})
             rule = root / "fastpipe" / "kernels" / "fusion_measured.json"
-            lines.append(f"fused.json -> {dest.relative_to(root)} ({len(rows_of(doc))} rows, {machine['device']} "
+            lines.append(f"fused.json -> {dest.relative_to(root)} ({len(rows)} rows, {machine['device']} "
                          f"{machine['date']})")
             lines.append(f"{rule.relative_to(root)}: {len(table['points'])} points from "
                          f"{', '.join(table['sources'])}")
@@ -124,7 +112,8 @@ def ingest(folder: Path, root: Path, dry_run: bool) -> list[str]:
             parse_table(new, "tuned_configs.json")
             shipped = root / "fastpipe" / "kernels" / "tuned_configs.json"
             old = json.loads(shipped.read_text()) if shipped.exists() else None
-            doc = merged_tuned(old, new)
+            # old's entries less the keys new has, then new's (gpu_check's tune stage writes no "fusion" points)
+            doc = with_entries(old, new["entries"], {entry_key(e) for e in new["entries"]})
             parse_table(doc, str(shipped))
             lines.append(f"tuned_configs.json -> {shipped.relative_to(root)}: {len(new['entries'])} new entries, "
                          f"{len(doc['entries'])} in all")

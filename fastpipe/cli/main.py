@@ -105,7 +105,7 @@ def parser() -> argparse.ArgumentParser:
                    help="compile the candidate kernels first in N processes (default: on a GPU, the cores less two, "
                         "at most 14; 0: each compiles at its first call)")
     t.add_argument("--budget-s", type=float, metavar="S",
-                   help="start no call's tuning past S seconds (the compile pool gets at most S/2); the calls not "
+                   help="start no call's tuning past S seconds (the compile pool stops by S/2); the calls not "
                         "reached are named and the exit status is 1. The table is written after every call, so an "
                         "interrupted run keeps the calls it finished")
     t.add_argument("--min-gain", type=float, default=0.03,

@@ -10,10 +10,11 @@ it writes the table pick_config reads (fastpipe.kernels.tuned) and fuse="auto" c
 (fastpipe.kernels.fusion_rule: its "fusion" points) to --out, merged with what that file held (or, for a
 new file, with the table in use now): a run interrupted (Ctrl-C, a time limit's SIGINT) keeps every call it
 finished. --budget-s S starts no call S seconds after the command began (the compile pool stops by S/2)
-and names the calls it did not reach. Several pipelines (a folder stands for every */pipeline.json in it: a
-serving set's buckets) are recorded in turn, and their distinct calls tuned into one table. Exit 0 when every call was
-tuned and measured, 1 when one could not be or was not reached (the others are written), 2 on bad input
-(no GPU, an unreadable --out table; pipelines with nothing to fuse are not an error: nothing is written).
+and names the calls it did not reach. Several pipelines (a folder stands for every */pipeline.json in it:
+a serving set's buckets) are recorded in turn, and their distinct calls tuned into one table. Exit 0 when
+every call was tuned and measured, 1 when one could not be or was not reached (the others are written), 2
+on bad input (no GPU, an unreadable --out table; pipelines with nothing to fuse are not an error: nothing
+is written).
 """
 from __future__ import annotations
 
@@ -68,10 +69,10 @@ def cmd_tune(args) -> int:
         print(f"compiled {warm['tasks']} first calls ({warm['units']} kernels) on {warm['workers']} processes in "
               f"{warm['s']:.1f} s" + (f"; ENDED EARLY: {warm['error']}" if "error" in warm else ""))
     results, points, failed, unreached, doc = [], [], 0, [], None
-    for call in made:
+    for i, call in enumerate(made):
         if budget.spent():
-            unreached.append(call)
-            continue
+            unreached = made[i:]
+            break
         try:
             r = autotune.tune(call, kernel_timing.time_config)
         except ValueError as e:

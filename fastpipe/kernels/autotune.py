@@ -207,19 +207,14 @@ def _same_outputs(got, want, dtype, k_total: int) -> bool:
 def merged_table(base: dict | None, results: list[Tuned], min_gain: float = MIN_GAIN) -> tuple[dict, int]:
     """(fastpipe.kernels.tuned's table: base's entries, less those of the keys tuned now, plus the kept
     results, number kept). base: a table document (validated by the caller) or None."""
-    def key(e):
-        return e["launcher"], e["device"], e["dtype"], e["N"], e["K"], e["n"], e["M"]
+    from fastpipe.kernels.tuned import with_entries
 
     tuned_now = {(r.launcher, r.device, r.call.dtype, r.N, r.K, r.n, r.M) for r in results}
-    entries = [e for e in (base or {}).get("entries", []) if key(e) not in tuned_now]
     kept = [r for r in results if r.kept(min_gain)]
-    entries += [{"launcher": r.launcher, "device": r.device, "dtype": r.call.dtype, "M": r.M, "N": r.N, "K": r.K,
-                 "n": r.n, "config": dataclasses.asdict(r.best), "ms": round(r.ms, 5),
-                 "heuristic_ms": round(r.heuristic_ms, 5)} for r in kept]
-    doc = {"format": 1, "entries": entries}
-    if (base or {}).get("fusion"):
-        doc["fusion"] = base["fusion"]
-    return doc, len(kept)
+    new = [{"launcher": r.launcher, "device": r.device, "dtype": r.call.dtype, "M": r.M, "N": r.N, "K": r.K,
+            "n": r.n, "config": dataclasses.asdict(r.best), "ms": round(r.ms, 5),
+            "heuristic_ms": round(r.heuristic_ms, 5)} for r in kept]
+    return with_entries(base, new, tuned_now), len(kept)
 
 
 def with_fusion_points(doc: dict, points: list[dict]) -> dict:

@@ -71,6 +71,21 @@ def parse_table(doc, where: str) -> dict[tuple, list[tuple[int, object]]]:
     return out
 
 
+def entry_key(e: dict) -> tuple:
+    """What one entry of a table document was tuned for: (launcher, device, dtype, N, K, n, M)."""
+    return e["launcher"], e["device"], e["dtype"], e["N"], e["K"], e["n"], e["M"]
+
+
+def with_entries(base: dict | None, new: list[dict], replacing: set[tuple]) -> dict:
+    """A table document: ``base``'s entries less those whose ``entry_key`` is in ``replacing``, then ``new``; base's
+    "fusion" points (fastpipe.kernels.fusion_rule) kept as they were. base: a document, or None."""
+    doc = {"format": 1, "entries": [e for e in (base or {}).get("entries", []) if entry_key(e) not in replacing]
+           + list(new)}
+    if (base or {}).get("fusion"):
+        doc["fusion"] = base["fusion"]
+    return doc
+
+
 def _table(path: Path) -> dict:
     return read_cached(path, parse_table, {}, "tuned kernel configs", "the heuristic picks the launch configs")
 
