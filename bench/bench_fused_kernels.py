@@ -3,14 +3,16 @@
     python bench/bench_fused_kernels.py                       # matmul_reduce_scatter, the default grid below
     python bench/bench_fused_kernels.py --kernel both --check --json fused.json     # what gpu_check runs
     python bench/bench_fused_kernels.py --threshold fused.json [more.json ...]      # results -> crossover
-    python bench/bench_fused_kernels.py --kernel all_gather_matmul --dim 0
+    python bench/bench_fused_kernels.py --kernel all_gather_matmul --dim 1
+    python bench/bench_fused_kernels.py --kernel both --check --dim 0,1 --json fused.json    # both dims
     python bench/bench_fused_kernels.py --ms 16,8192 --nk 4096 --ns 2 --json fused.json
     python bench/bench_fused_kernels.py --smoke               # CPU, TRITON_INTERPRET=1, tiny: tests the script
     python bench/bench_fused_kernels.py --kernel both --check --profile --json fused.json   # + each variant's kernels
     python bench/bench_fused_kernels.py --kernel both --tune --check --ms 1024,8192 --json tune.json  # per shape
     python bench/bench_fused_kernels.py --write-tuned fastpipe/kernels/tuned_configs.json tune.json   # -> table
 
-Default grid: M in {16, 128, 1024, 8192}, N = K in {4096, 8192}, n in {2, 4}, bf16, dim 0.
+Default grid: M in {16, 128, 1024, 8192}, N = K in {4096, 8192}, n in {2, 4}, bf16, dim 0 (--dim 1: column
+blocks; --dim 0,1: the whole grid at dim 0, then again at dim 1, what gpu_check's fused stage runs).
 
 matmul_reduce_scatter (a[i]: [M, K], b[i] = w_i.t(): [K, N], as a row-parallel linear layer):
   fused    fastpipe.kernels.matmul_reduce_scatter: one launch, every tile written once
@@ -22,7 +24,7 @@ matmul_reduce_scatter (a[i]: [M, K], b[i] = w_i.t(): [K, N], as a row-parallel l
   torch.mm one mm of [M, n*K] x [n*K, N]: the same FLOPs in one cuBLAS call (the roofline
            the fused kernel should approach)
 all_gather_matmul (a[i]: [M/n, K] (dim 0) or [M, K/n] (dim 1), b[j] = w_j.t(): [K, N/n]):
-  fused    fastpipe.kernels.all_gather_matmul: one launch per j, no cat(a)
+  fused    fastpipe.kernels.all_gather_matmul: one launch for every j, no cat(a)
   unfused  fastpipe.comm.all_gather (one gathered copy per member), then torch.mm per j, each on
            member j's stream
   torch.mm one mm of [M, K] x [K, N]: the same FLOPs
@@ -393,10 +395,11 @@ def tune_case(kernel, M, NK, n, dim, dtype, device, row: dict, check: bool, smok
     return out
 
 
-def warmup_tasks(cases, dim, dtype, device, smoke: bool) -> list[compile_pool.Task]:
-    """Every (case, candidate config) first call that --tune will make (fastpipe.kernels.compile_pool)."""
+def warmup_tasks(cases, dtype, device, smoke: bool) -> list[compile_pool.Task]:
+    """Every (case, candidate config) first call that --tune will make (fastpipe.kernels.compile_pool); cases as
+    ``case_order`` gives them."""
     tasks = []
-    for kernel, nk, n, M in cases:
+    for kernel, nk, n, M, dim in cases:
         if not splits_evenly(kernel, M, nk, n, dim):
             continue
         call = case_call(kernel, M, nk, n, dim, dtype, device)
@@ -423,7 +426,7 @@ def tuned_table(paths, min_gain: float = 0.03) -> dict:
 
 
 def print_table(rows: list[dict], check: bool) -> None:
-    header = ["kernel", "M", "N=K", "n", "fused ms (p20-p80)", "unfused ms", "torch.mm ms", "speedup", "fused TF/s",
+    header = ["kernel", "dim", "M", "N=K", "n", "fused ms (p20-p80)", "unfused ms", "torch.mm ms", "speedup", "fused TF/s",
               "unfused TF/s", "torch.mm TF/s", "fused % peak", "torch.mm % peak", "fused / torch.mm", "first call ms",
               "rule: fused?", "targets (M >= 1024)"] + (["check"] if check else [])
     table = []
@@ -432,7 +435,7 @@ def print_table(rows: list[dict], check: bool) -> None:
         t = r.get("targets") or {}
         verdict = "-" if not t else (f"{'met' if t['speedup_met'] else 'MISSED'} >= {TARGET_SPEEDUP}x, "
                                      f"{'met' if t['of_torch_mm_met'] else 'MISSED'} >= {TARGET_OF_MM:.0%} of torch.mm")
-        table.append([r["kernel"], str(r["M"]), str(r["N=K"]), str(r["n"]),
+        table.append([r["kernel"], str(r["dim"]), str(r["M"]), str(r["N=K"]), str(r["n"]),
                       f"{r['fused_ms']:.3f} ({r['fused_p20']:.3f}-{r['fused_p80']:.3f})", f"{r['unfused_ms']:.3f}",
                       f"{r['torch.mm_ms']:.3f}", f"{r['speedup']:.2f}x", f"{r['fused_tflops']:.1f}",
                       f"{r['unfused_tflops']:.1f}", f"{r['torch.mm_tflops']:.1f}", pct(r.get("fused_of_peak")),
@@ -485,7 +488,7 @@ def crossover(rows: list[dict], rule=shipped_rule) -> list[dict]:
 
 
 def _stale(t: dict) -> str:
-    old = stale_revisions(t["kernel"], t.get("revisions", ()))
+    old = stale_revisions(t["kernel"], t["dim"], t.get("revisions", ()))
     return f"  [stale: revision {', '.join(map(str, old))} of the kernel, now {KERNEL_REVISIONS[t['kernel']]}]" \
         if old else ""
 
@@ -497,11 +500,11 @@ def print_thresholds(ts: list[dict]) -> None:
         agrees = "agrees" if t["rule_agrees"] else "DISAGREES"
         print(f"  {t['device']}: {t['kernel']} dim {t['dim']} {t['dtype']} N={t['N']} K_total={t['K_total']} "
               f"n={t['n']}: min_M={t['min_M']}  ({sp}; the shipped rule {agrees})" + _stale(t))
-    for device, kernel in sorted({(t["device"], t["kernel"]) for t in ts}):
-        ks = [t for t in ts if (t["device"], t["kernel"]) == (device, kernel)]
+    for device, kernel, dim in sorted({(t["device"], t["kernel"], t["dim"]) for t in ts}):
+        ks = [t for t in ts if (t["device"], t["kernel"], t["dim"]) == (device, kernel, dim)]
         found = [t["min_M"] for t in ks if t["min_M"] is not None]
         never = [t for t in ks if t["min_M"] is None]
-        line = f"{device}: {kernel}: "
+        line = f"{device}: {kernel} dim {dim}: "
         line += f"the largest crossover is M={max(found)}" if found else "the fused kernel never won"
         if never:
             line += "; never faster at: " + ", ".join(f"N={t['N']} K_total={t['K_total']} n={t['n']}" for t in never)
@@ -520,10 +523,19 @@ def read_results(paths) -> tuple[list[dict], list[dict | None]]:
 
 
 # ---------------------------------------------------------------------------------------- main
-def case_order(kernels, nks, ns, ms) -> list[tuple[str, int, int, int]]:
-    """(kernel, N=K, n, M) shape by shape, each kernel over every M at a shape: a run cut short by
-    --budget-s has whole crossovers (where fused starts to win) for both kernels at the shapes it reached."""
-    return [(kernel, nk, n, M) for nk in nks for n in ns for kernel in kernels for M in ms]
+def case_order(kernels, nks, ns, ms, dims=(0,)) -> list[tuple[str, int, int, int, int]]:
+    """(kernel, N=K, n, M, dim): dim by dim (in the order given), then shape by shape, each kernel over every M at
+    a shape: a run cut short by --budget-s has whole crossovers (where fused starts to win) for both kernels at
+    the shapes it reached, the first dim's grid first."""
+    return [(kernel, nk, n, M, dim) for dim in dims for nk in nks for n in ns for kernel in kernels for M in ms]
+
+
+def parse_dims(text: str) -> tuple[int, ...] | None:
+    """--dim's value: "0", "1", "0,1" or "1,0" -> the dims in that order; None where it is not such a list."""
+    parts = [x.strip() for x in str(text).split(",")]
+    if not parts or any(x not in ("0", "1") for x in parts) or len(set(parts)) != len(parts):
+        return None
+    return tuple(int(x) for x in parts)
 
 
 def main(argv=None) -> int:
@@ -532,7 +544,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", default="16,128,1024,8192", help="comma-separated M values")
     ap.add_argument("--nk", default="4096,8192", help="comma-separated N = K values")
     ap.add_argument("--ns", default="2,4", help="comma-separated participant counts")
-    ap.add_argument("--dim", type=int, default=0, choices=[0, 1])
+    ap.add_argument("--dim", default="0", help="the split dim: 0 (row blocks), 1 (column blocks), or 0,1 (the whole "
+                                                "grid at dim 0, then at dim 1)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--check", action="store_true",
                     help="also check every variant against a float32 reference (exit 1 on mismatch)")
@@ -601,61 +614,65 @@ def main(argv=None) -> int:
         ms, nks, ns = ([int(x) for x in s.split(",")] for s in (args.ms, args.nk, args.ns))
     dtype = DTYPES[args.dtype]
     kernels = KERNELS if args.kernel == "both" else (args.kernel,)
+    dims = parse_dims(args.dim)
+    if dims is None:
+        ap.error(f"--dim: expected 0, 1 or 0,1, found {args.dim!r}")
     info = machine_info()
     peak = args.peak_tflops or (peak_tflops(info["device"], dtype) if device.type == "cuda" else None)
     info["peak_tflops"] = peak
     print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()))
     if device.type == "cuda" and peak is None:
         print(f"no {args.dtype} peak known for {info['device']}: the % peak columns are empty (--peak-tflops sets it)")
-    print(f"{', '.join(kernels)}, dtype {args.dtype}, dim {args.dim}, all participants on {device}"
+    print(f"{', '.join(kernels)}, dtype {args.dtype}, dim {', then '.join(map(str, dims))}, all participants on {device}"
           + (" (SMOKE RUN: interpreter, timings meaningless)" if args.smoke else ""))
-    cases = case_order(kernels, nks, ns, ms)
+    cases = case_order(kernels, nks, ns, ms, dims)
     lanes = unfused_path.lanes_for(device, max(ns))
     rows, not_run, t0 = [], [], time.perf_counter()
     warmup = None
     workers = args.compile_workers if args.compile_workers is not None else compile_pool.default_workers(device)
     if args.tune and workers > 0:
         # half the budget at most: a stuck pool must leave the tuning its time
-        warmup = compile_pool.warm(warmup_tasks(cases, args.dim, dtype, device, args.smoke), workers,
+        warmup = compile_pool.warm(warmup_tasks(cases, dtype, device, args.smoke), workers,
                                    timeout_s=args.budget_s / 2 if args.budget_s is not None else 600)
         print(f"compile warm-up: {warmup['tasks']} first calls ({warmup['units']} kernels' configs) on "
               f"{warmup['workers']} processes in {warmup['s']:.1f} s"
               + (f"; {len(warmup['failed'])} failed (the tuning records them): " + "; ".join(warmup["failed"][:3])
                  if warmup["failed"] else "")
               + (f"; ENDED EARLY: {warmup['error']}" if "error" in warmup else ""), flush=True)
-    for i, (kernel, nk, n, M) in enumerate(cases):
+    for i, (kernel, nk, n, M, dim) in enumerate(cases):
         if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
-            not_run = [case_key(k, m, x, y, args.dim, dtype) for k, x, y, m in cases[i:]]
+            not_run = [case_key(k, m, x, y, d, dtype) for k, x, y, m, d in cases[i:]]
             print(f"budget: {args.budget_s:.0f} s spent; {len(not_run)} cases not run", flush=True)
             break
         try:
-            row = run_case(kernel, M, nk, n, args.dim, dtype, device, args.check, peak, args.eager, lanes,
+            row = run_case(kernel, M, nk, n, dim, dtype, device, args.check, peak, args.eager, lanes,
                            args.profile)
             if not row:
-                print(f"skipped {kernel} M={M} N=K={nk} n={n}: the split dimension is not divisible by n")
+                print(f"skipped {kernel} dim {dim} M={M} N=K={nk} n={n}: the split dimension is not divisible by n")
                 continue
             if args.tune:
                 try:
-                    row["tuned"] = tune_case(kernel, M, nk, n, args.dim, dtype, device, row, args.check, args.smoke,
+                    row["tuned"] = tune_case(kernel, M, nk, n, dim, dtype, device, row, args.check, args.smoke,
                                              args.eager)
                 except Exception as e:  # noqa: BLE001 - the row's own timings stand; the tuning failed
                     row["tuned"] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
-                    print(f"  tuning {kernel} M={M} N=K={nk} n={n} FAILED: {row['tuned']['error']}", flush=True)
+                    print(f"  tuning {kernel} dim {dim} M={M} N=K={nk} n={n} FAILED: {row['tuned']['error']}",
+                          flush=True)
                 t = row["tuned"] if "error" not in row["tuned"] else {}
                 if t:
-                    print(f"  tuned {kernel} M={M} N=K={nk} n={n}: {t['ms']:.3f} ms with {t['config']} "
+                    print(f"  tuned {kernel} dim {dim} M={M} N=K={nk} n={n}: {t['ms']:.3f} ms with {t['config']} "
                           f"vs the heuristic's {t['heuristic_ms']:.3f} ms ({t['candidates']} configs"
                           + (f", check {t['check']}" if "check" in t else "") + ")", flush=True)
-            print(f"  {kernel} M={M} N=K={nk} n={n}: fused {row['fused_ms']:.3f} ms ({row['fused_config']}, "
+            print(f"  {kernel} dim {dim} M={M} N=K={nk} n={n}: fused {row['fused_ms']:.3f} ms ({row['fused_config']}, "
                   f"{row['fused_config_from']}), unfused "
                   f"{row['unfused_ms']:.3f} ms, torch.mm {row['torch.mm_ms']:.3f} ms ({row['timing']})"
                   + (f", check {row['check']}" if args.check else ""), flush=True)
             for v, prof in row.get("profile", {}).items():
                 print(f"    {kernel_profile.line(v, prof, row[f'{v}_ms'])}", flush=True)
         except Exception as e:  # noqa: BLE001 - one case failing (out of memory, say) fails its row, not the run
-            row = {**case_key(kernel, M, nk, n, args.dim, dtype),
+            row = {**case_key(kernel, M, nk, n, dim, dtype),
                    "error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
-            print(f"  {kernel} M={M} N=K={nk} n={n}: FAILED: {row['error']}", flush=True)
+            print(f"  {kernel} dim {dim} M={M} N=K={nk} n={n}: FAILED: {row['error']}", flush=True)
         row["device"] = info["device"]
         rows.append(row)
         if device.type == "cuda":
@@ -672,7 +689,7 @@ def main(argv=None) -> int:
     missed = [r for r in done if r["targets"] and not (r["targets"]["speedup_met"] and r["targets"]["of_torch_mm_met"])]
     print(f"\ntargets at M >= {TARGET_FROM_M}: {sum(1 for r in done if r['targets']) - len(missed)} rows met both, "
           f"{len(missed)} missed one" + ("" if not missed else ": " + "; ".join(
-              f"{r['kernel']} M={r['M']} N=K={r['N=K']} n={r['n']}" for r in missed)))
+              f"{r['kernel']} dim {r['dim']} M={r['M']} N=K={r['N=K']} n={r['n']}" for r in missed)))
     print()
     print_thresholds(crossover(rows))
     if args.json:
@@ -680,7 +697,8 @@ def main(argv=None) -> int:
     rc = 0
     if failed:
         print(f"FAILED: {len(failed)} cases raised: " + "; ".join(
-            f"{r['kernel']} M={r['M']} N=K={r['N=K']} n={r['n']}: {r.get('error') or 'tuning: ' + r['tuned']['error']}"
+            f"{r['kernel']} dim {r['dim']} M={r['M']} N=K={r['N=K']} n={r['n']}: "
+            f"{r.get('error') or 'tuning: ' + r['tuned']['error']}"
             for r in failed), file=sys.stderr)
         rc = 1
     if args.check and any(r["check"] != "ok" or (r.get("tuned") or {}).get("check", "ok") != "ok" for r in done):

@@ -56,13 +56,14 @@ class Compiled:
     """One compiled kernel: what was called, the config, and what ptxas made of it."""
 
     call: str          # e.g. "matmul_reduce_scatter dim=0 M=1024 NK=4096 n=2 bf16"
-    kernel: str        # _mm_sum_kernel / _split_k_sum_kernel / _gather_rows_kernel / _gather_split_k_sum_kernel / ...
+    kernel: str        # _mm_sum_kernel / _split_k_sum_kernel / _gather_rows_kernel / _gather_cols_kernel / ...
     config: str        # "128x256x64 w8 s3"
     shared_bytes: int = 0
     registers: int = 0
     spill_bytes: int = 0
     mma: str = ""      # wgmma / mma.sync / none
     loads: str = ""    # tma / cp.async / ld.global
+    loads_16b: bool = False   # every per-thread cp.async copies 16 bytes (the loads are vectorized)
     compile_s: float = 0.0
     error: str = ""
     launcher: str = "" # why Triton's launcher for it cannot be generated ('' where it can)
@@ -139,6 +140,7 @@ def compiling_for(arch: int, sms: int, device_name: str, record: list):
         for kernel in tma_kernels:
             patch(kernel, "run", compile_only(kernel))
         patch(agm._gather_rows_kernel, "run", compile_only(agm._gather_rows_kernel))
+        patch(agm._gather_cols_kernel, "run", compile_only(agm._gather_cols_kernel))
         patch(agm._gather_split_k_sum_kernel, "run", compile_only(agm._gather_split_k_sum_kernel))
         yield
     finally:
@@ -211,7 +213,9 @@ def describe(name: str, cfg: KernelConfig, compiled, arch: int, what: str, secon
     regs, spill = ptxas_report(ptx, arch)
     mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "none"
     loads = "tma" if "cp.async.bulk.tensor" in ptx else "cp.async" if "cp.async" in ptx else "ld.global"
-    return Compiled(what, name, config_text(cfg), int(compiled.metadata.shared), regs, spill, mma, loads,
+    sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \[[^\]]*\], (\w+)", ptx))
+    wide = bool(sizes) and all(int(x, 0) == 16 for x in sizes)
+    return Compiled(what, name, config_text(cfg), int(compiled.metadata.shared), regs, spill, mma, loads, wide,
                     round(seconds, 2), launcher=launcher_problem(compiled))
 
 

@@ -21,8 +21,10 @@
 #                                         # rule agrees, % of bf16 peak, targets; fusion_measured.json: the
 #                                         # rule's table from this run, this GPU's points only (docs/kernels.md
 #                                         # says how to merge it with bench/measured's runs and ship it).
-#                                         # Cases go shape by shape, both kernels and every M per shape, so a
-#                                         # run cut short has whole crossovers: pass --nk 8192 to go on. Then
+#                                         # Cases go dim by dim (the grid at dim 0, row blocks, then at dim 1,
+#                                         # column blocks; `--dim 0` for one), then shape by shape, both kernels
+#                                         # and every M per shape, so a run cut short has whole crossovers:
+#                                         # pass --nk 8192 (or --dim 1) to go on. Then
 #                                         # fused_profile.log: M 16 and 1024 at N = K 4096 again, each
 #                                         # variant's kernels profiled (--profile: time busy and covered, top
 #                                         # kernels), where the stage's call has 40 s left
@@ -202,7 +204,7 @@ run_one() {  # stage, its arguments...: one stage; non-zero when it failed
       [ -f "$OUT/bench/report.md" ] && cat "$OUT/bench/report.md" >> "$OUT/bench.log"
       rm -rf "$OUT/bench" ;;
     fused)   # --budget-s: no case starts after it; the last one may still run a minute
-      run_stage fused "$(left 20)" python3 bench/bench_fused_kernels.py --kernel both --check \
+      run_stage fused "$(left 20)" python3 bench/bench_fused_kernels.py --kernel both --check --dim 0,1 \
         --budget-s "$(left 90)" --json "$OUT/fused.json" "${extra[@]}" || rc=1
       python3 bench/bench_fused_kernels.py --threshold "$OUT/fused.json" --write-rule "$OUT/fusion_measured.json" \
         >> "$OUT/fused.log" 2>&1 || rc=1

@@ -52,11 +52,13 @@ def test_recording_keeps_each_distinct_call_with_its_strides_from_every_thread()
     assert not calls._recorders
 
 
-def test_a_call_with_outputs_of_different_widths_is_not_tuned():
-    call = calls.KernelCall("all_gather_matmul", 1, "", "bfloat16", (((16, 8), (8, 1)),) * 2,
-                            (((16, 32), (32, 1)), ((16, 64), (64, 1))), "cpu")
-    with pytest.raises(ValueError, match=r"^its 2 outputs have different widths \(\[32, 64\]\): one launch each"):
-        call.launch()
+def test_all_gather_dim_1_launches_once_for_outputs_of_different_widths():
+    """dim 1 runs on gather_cols, one launch for the n outputs: its shape is the widest output's [M, N], the
+    gathered K (the shards' K_i summed) and n, so a call whose outputs differ in width is tuned like any other."""
+    call = calls.KernelCall("all_gather_matmul", 1, "", "bfloat16", (((16, 8), (8, 1)), ((16, 24), (24, 1))),
+                            (((32, 32), (32, 1)), ((32, 64), (64, 1))), "cpu")
+    assert call.launch() == ("gather_cols", 16, 64, 32, 2)
+    assert call.rule_shape() == (16, 96, 32, 2)
 
 
 def _timer(times):

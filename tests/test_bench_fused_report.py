@@ -126,7 +126,7 @@ def test_tune_candidates_fit_and_follow_m():
                                    if c.split_k == 1 and c.block_m >= 64 and (c.num_warps, c.num_stages) == (8, 3)]
     assert launcher_shape("matmul_reduce_scatter", 1024, 4096, 4, 0) == ("mm_sum", 1024, 4096, 4096)
     assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 0) == ("gather_rows", 1024, 1024, 4096)
-    assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 1) == ("mm_sum", 1024, 1024, 1024)
+    assert launcher_shape("all_gather_matmul", 1024, 4096, 4, 1) == ("gather_cols", 1024, 1024, 4096)
 
 
 def test_tuned_table_keeps_checked_gains_only(tmp_path):
@@ -262,9 +262,20 @@ def test_cases_go_shape_by_shape():
     from bench.bench_fused_kernels import case_order
 
     cases = case_order(("mrs", "agm"), (4096, 8192), (2, 4), (16, 1024))
-    assert len(cases) == 16 and len(set(cases)) == 16
-    assert cases[:4] == [("mrs", 4096, 2, 16), ("mrs", 4096, 2, 1024), ("agm", 4096, 2, 16), ("agm", 4096, 2, 1024)]
-    assert [(nk, n) for _, nk, n, _ in cases[::4]] == [(4096, 2), (4096, 4), (8192, 2), (8192, 4)]
+    assert len(cases) == 16 and len(set(cases)) == 16 and {c[4] for c in cases} == {0}
+    assert cases[:4] == [("mrs", 4096, 2, 16, 0), ("mrs", 4096, 2, 1024, 0), ("agm", 4096, 2, 16, 0),
+                         ("agm", 4096, 2, 1024, 0)]
+    assert [(nk, n) for _, nk, n, _, _ in cases[::4]] == [(4096, 2), (4096, 4), (8192, 2), (8192, 4)]
+    # --dim 0,1: the whole grid at dim 0 first (a cut run keeps it whole), then at dim 1
+    both = case_order(("mrs", "agm"), (4096, 8192), (2, 4), (16, 1024), (0, 1))
+    assert both[:16] == cases and [c[:4] for c in both[16:]] == [c[:4] for c in cases] and {c[4] for c in both[16:]} == {1}
+
+
+def test_dim_argument():
+    from bench.bench_fused_kernels import parse_dims
+
+    assert [parse_dims(x) for x in ("0", "1", "0,1", "1, 0")] == [(0,), (1,), (0, 1), (1, 0)]
+    assert [parse_dims(x) for x in ("2", "0,0", "", "0,", "a")] == [None] * 5
 
 
 def test_crossover_skips_failed_rows():

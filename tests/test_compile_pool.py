@@ -58,16 +58,17 @@ def test_the_tasks_are_the_tunings_first_calls():
     """warmup_tasks: one task per case and candidate, as tune_case calls them; cases that do not split are left out."""
     from bench.bench_fused_kernels import launcher_shape, tune_candidates
 
-    cases = [("matmul_reduce_scatter", 4096, 2, 1024), ("all_gather_matmul", 4096, 4, 8192),
-             ("matmul_reduce_scatter", 4096, 3, 1024)]                    # M 1024 does not split by 3
+    cases = [("matmul_reduce_scatter", 4096, 2, 1024, 0), ("all_gather_matmul", 4096, 4, 8192, 0),
+             ("all_gather_matmul", 4096, 2, 16, 1),
+             ("matmul_reduce_scatter", 4096, 3, 1024, 0)]                 # M 1024 does not split by 3
     cpu = torch.device("cpu")
-    tasks = warmup_tasks(cases, 0, torch.bfloat16, cpu, smoke=False)
+    tasks = warmup_tasks(cases, torch.bfloat16, cpu, smoke=False)
     expect = []
-    for kernel, nk, n, M in cases[:2]:
-        launcher, lm, ln, _ = launcher_shape(kernel, M, nk, n, 0)
-        call = case_call(kernel, M, nk, n, 0, torch.bfloat16, cpu)
+    for kernel, nk, n, M, dim in cases[:3]:
+        launcher, lm, ln, _ = launcher_shape(kernel, M, nk, n, dim)
+        call = case_call(kernel, M, nk, n, dim, torch.bfloat16, cpu)
         assert call.launch()[:3] == (launcher, lm, ln)
-        expect += [(call, c) for c in tune_candidates(lm, ln, torch.bfloat16, False, launcher)]
+        expect += [(call, c) for c in tune_candidates(lm, ln, torch.bfloat16, False, launcher, n=n)]
     assert [(t.call, KernelConfig(**dict(t.config))) for t in tasks] == expect
 
 

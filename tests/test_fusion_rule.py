@@ -157,18 +157,39 @@ def test_a_point_of_an_older_kernel_revision_still_decides_and_says_it_is_stale(
     monkeypatch.setitem(fusion_rule.KERNEL_REVISIONS, MRS, 1)
     assert "stale" not in estimate(*args).reason
     monkeypatch.setitem(fusion_rule.KERNEL_REVISIONS, MRS, 3)
-    monkeypatch.setitem(fusion_rule.REVISION_CHANGES, (MRS, 3), "split-K at small M")
+    monkeypatch.setitem(fusion_rule.REVISION_CHANGES, (MRS, 3), ((0, 1), "split-K at small M"))
     e = estimate(*args)
     assert e.fused == fused_wins(r)
     assert e.reason.endswith("; stale: measured with revision 1 of the kernel, which is now revision 3 "
                              "(split-K at small M): `scripts/gpu_check.sh fused` measures it again"), e.reason
 
 
-def test_every_kernel_revision_says_what_changed():
+def test_every_kernel_revision_says_what_changed_and_at_which_dims():
     for kernel, now in fusion_rule.KERNEL_REVISIONS.items():
         assert kernel in fusion_rule.KERNELS
         for rev in range(2, now + 1):
-            assert fusion_rule.REVISION_CHANGES.get((kernel, rev)), (kernel, rev)
+            dims, text = fusion_rule.REVISION_CHANGES[(kernel, rev)]
+            assert text and dims and set(dims) <= {0, 1}, (kernel, rev)
+
+
+def test_a_change_at_one_dim_leaves_the_other_dims_points_current(monkeypatch):
+    """all_gather_matmul's revision 2 changed dim 0 (one launch for the n outputs), revision 3 dim 1 (gather_cols):
+    a dim-0 point of revision 2 is current, one of revision 1 stale for revision 2's change only; a dim-1 point
+    of revision 2 is stale for revision 3's change only."""
+    assert fusion_rule.KERNEL_REVISIONS[AGM] == 3
+    assert fusion_rule.changes_since(AGM, 0, 2) == []
+    assert fusion_rule.changes_since(AGM, 0, 1) == [fusion_rule.REVISION_CHANGES[(AGM, 2)][1]]
+    assert fusion_rule.changes_since(AGM, 1, 2) == [fusion_rule.REVISION_CHANGES[(AGM, 3)][1]]
+    assert fusion_rule.stale_revisions(AGM, 0, [1, 2, 3]) == [1]
+    assert fusion_rule.stale_revisions(AGM, 1, [1, 2, 3]) == [1, 2]
+    # a tuned point of revision 2 at dim 0 decides without a stale note; at dim 1 it says what changed
+    for dim, stale in ((0, False), (1, True)):
+        point = {"device": "GPU X", "kernel": AGM, "dim": dim, "dtype": "bfloat16", "M": 64, "N": 4096,
+                 "K_total": 4096, "n": 2, "speedup": 1.5, "fused_wins": True, "revision": 2, "from": "t.json"}
+        monkeypatch.setattr(fusion_rule, "_tuned_points", lambda point=point: [point])
+        e = estimate(AGM, 64, 4096, 4096, 2, torch.bfloat16, dim, gpu="GPU X")
+        assert e.fused and ("stale: measured with revision 2" in e.reason) == stale, e.reason
+        assert ("gather_cols" in e.reason) == stale, e.reason
 
 
 @pytest.mark.parametrize("doc, where", [

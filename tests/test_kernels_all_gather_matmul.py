@@ -129,11 +129,64 @@ def test_dim1_noncontiguous_shards():
     assert_matches(all_gather_matmul(a, b, dim=1), a, b, 1)
 
 
-def test_dim1_split_k():
-    """dim 1 runs on the mm_sum launcher, so its split-K applies there."""
-    a, b = operands(3, 1, torch.float32, seed=9)
+@pytest.mark.parametrize("n", [2, 4])
+def test_dim1_every_output_in_one_launch(monkeypatch, n):
+    """dim 1 (gather_cols) computes all n outputs in one launch, as dim 0 does (grid axis 1: the output), not one
+    mm_sum launch per output."""
+    launches = Launches(agm._gather_cols_kernel)
+    monkeypatch.setattr(agm, "_gather_cols_kernel", launches)
+    mm_sum = []
+    monkeypatch.setattr(agm, "launch_mm_sum", lambda *args, **kw: mm_sum.append(args))
+    a, b = operands(n, 1, torch.float32, seed=17)
+    outs = all_gather_matmul(a, b, dim=1)
+    assert len(launches.grids) == 1 and launches.grids[0][1:] == (n, 1), launches.grids
+    assert mm_sum == []
+    assert_matches(outs, a, b, 1)
+
+
+def test_dim1_outputs_of_different_widths_and_an_empty_shard():
+    """N_j of 16, 70 and 5 with 16-column tiles (the grid sized for the widest), shards of K 24, 0 and 13 (the
+    empty one adds nothing), one of them a transposed view; the outputs are column blocks of one NaN-filled
+    buffer with a column between them, which must still be NaN afterwards."""
+    g = torch.Generator().manual_seed(18)
+    a = [torch.randn(27, 24, generator=g).to(DEV), torch.randn(27, 0, generator=g).to(DEV),
+         torch.randn(13, 27, generator=g).to(DEV).t()]
+    b = [torch.randn(37, 16, generator=g).to(DEV), torch.randn(70, 37, generator=g).to(DEV).t(),
+         torch.randn(37, 5, generator=g).to(DEV)]
+    buf = torch.full((27, 16 + 70 + 5 + 3), float("nan"), device=DEV)
+    outs = [buf[:, 0:16], buf[:, 17:87], buf[:, 88:93]]            # [27, N_j] views, row stride 94
+    agm.launch_gather_cols(a, b, outs, KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1))
+    assert buf[:, [16, 87, 93]].isnan().all(), "a program wrote past its output's columns"
+    assert_matches([o.contiguous() for o in outs], a, b, 1)
+    assert [tuple(o.shape) for o in all_gather_matmul(a, b, dim=1)] == [(27, 16), (27, 70), (27, 5)]
+
+
+@pytest.mark.parametrize("n,split_k", [(1, 2), (2, 3), (3, 2), (4, 16)])
+def test_dim1_split_k_matches_float64(n, split_k):
+    """dim 1 split-K (gather_cols): program (tile, j, s) sums the s-th run of the tile's K-steps, counted over every
+    shard in turn, into W[j, s]; one more launch adds the shares of every output. Shards of K 11 + 5i (no multiple
+    of the K step: runs start and end inside a shard's steps), outputs of different widths, and split_k past the
+    K-steps (16 > 7 at n 4: some programs get no steps, and write zeros)."""
+    a, b = operands(n, 1, torch.float32, seed=n * 10 + split_k)
+    cfg = KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1, split_k=split_k)
+    outs = all_gather_matmul(a, b, dim=1, config=cfg)
+    full = torch.cat([x.double() for x in a], dim=1)
+    for o, bj in zip(outs, b):
+        assert o.shape == (37, bj.shape[1]) and o.dtype == torch.float32
+        torch.testing.assert_close(o.double(), full @ bj.double().to(o.device), rtol=1e-5, atol=1e-4)
+
+
+def test_dim1_split_k_is_two_launches_and_deterministic(monkeypatch):
+    shares, sums = Launches(agm._gather_cols_kernel), Launches(agm._gather_split_k_sum_kernel)
+    monkeypatch.setattr(agm, "_gather_cols_kernel", shares)
+    monkeypatch.setattr(agm, "_gather_split_k_sum_kernel", sums)
+    a, b = operands(3, 1, torch.bfloat16, seed=19)
     cfg = KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1, split_k=3)
-    assert_matches(all_gather_matmul(a, b, dim=1, config=cfg), a, b, 1)
+    first = all_gather_matmul(a, b, dim=1, config=cfg)
+    again = all_gather_matmul(a, b, dim=1, config=cfg)
+    assert [g[1:] for g in shares.grids] == [(3, 3)] * 2 and [g[2] for g in sums.grids] == [3] * 2
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    assert_matches(first, a, b, 1)
 
 
 @pytest.mark.parametrize("n,split_k", [(1, 2), (2, 3), (3, 2), (4, 16)])
@@ -265,20 +318,23 @@ def test_gpu_scale_bf16(M, n, dim):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("n,split_k", [(2, 4), (4, 2), (4, 16)])
-def test_gpu_dim0_split_k_bf16_and_in_a_captured_graph(n, split_k):
-    """dim 0 split-K at a decode's M on the GPU (M 16, K 4096: the n outputs' 16 x 4096/n tiles alone leave most
-    SMs idle), eagerly and replayed from a CUDA graph (the shares' workspace then from the graph's pool), the
-    replay bit-equal to the eager run (the shares added in a fixed order)."""
+def test_gpu_split_k_bf16_and_in_a_captured_graph(n, split_k, dim):
+    """split-K at a decode's M on the GPU (M 16, K 4096: the n outputs' 16 x 4096/n tiles alone leave most SMs
+    idle), both launchers (dim 0: gather_rows, dim 1: gather_cols), eagerly and replayed from a CUDA graph (the
+    shares' workspace then from the graph's pool), the replay bit-equal to the eager run (the shares added in a
+    fixed order)."""
     from tests.kernel_launches import replayed
 
     g = torch.Generator().manual_seed(n * 100 + split_k)
-    a = [torch.randn(16 // n, 4096, generator=g).bfloat16().cuda() for _ in range(n)]
+    shape = (16 // n, 4096) if dim == 0 else (16, 4096 // n)
+    a = [torch.randn(*shape, generator=g).bfloat16().cuda() for _ in range(n)]
     b = [torch.randn(4096 // n, 4096, generator=g).bfloat16().cuda().t() for _ in range(n)]
     cfg = KernelConfig(16, 64, 64, group_m=8, num_warps=4, num_stages=4, split_k=split_k)
-    eager = all_gather_matmul(a, b, dim=0, config=cfg)
-    assert_matches(eager, a, b, 0, tol=(8e-3, 1e-5))
-    captured = replayed(lambda: all_gather_matmul(a, b, dim=0, config=cfg))
+    eager = all_gather_matmul(a, b, dim=dim, config=cfg)
+    assert_matches(eager, a, b, dim, tol=(8e-3, 1e-5))
+    captured = replayed(lambda: all_gather_matmul(a, b, dim=dim, config=cfg))
     assert all(torch.equal(x, y) for x, y in zip(captured, eager))
 
 

@@ -35,11 +35,12 @@ def compile_kernels(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, 
 def test_picked_configs_compile_for_hopper(tmp_path):
     done, rows = compile_kernels(tmp_path, "--quick", "--dtypes", "bf16,f32")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert {r["kernel"] for r in rows} == {"_mm_sum_kernel", "_gather_rows_kernel"}
+    assert {r["kernel"] for r in rows} == {"_mm_sum_kernel", "_gather_rows_kernel", "_gather_cols_kernel"}
     for r in rows:
         assert not r["error"] and not r["problems"], r
         assert 0 < r["shared_bytes"] <= 227 * 1024 and 0 < r["registers"] <= 255 and r["spill_bytes"] == 0, r
         assert r["loads"] == "cp.async", r          # K loop software-pipelined (gather_rows: the alignment hint)
+        assert r["loads_16b"], r                    # every copy 16 bytes: vectorized along K and N
         bm = int(r["config"].split("x")[0])
         if "bfloat16" in r["call"]:
             # 128-row tiles on the warpgroup MMA; decode-sized tiles (16 rows) on mma.sync
@@ -115,15 +116,16 @@ def test_a_split_k_config_compiles_for_hopper(tmp_path):
     assert all(r["mma"] == "wgmma" and r["loads"] == "cp.async" for r in shares), shares
 
 
-def test_a_gather_rows_split_k_config_compiles_for_hopper(tmp_path):
-    """all_gather_matmul dim 0 split-K 4 at a decode's M (16 x 2048 tiles of 64 columns, 2 outputs): the shares'
-    kernel keeps pipelined loads, and the one launch that adds every output's shares compiles without spills."""
+def test_the_gather_split_k_configs_compile_for_hopper(tmp_path):
+    """all_gather_matmul split-K 4 at a decode's M (16 x 2048 tiles of 64 columns, 2 outputs), dims 0 (gather_rows)
+    and 1 (gather_cols): the shares' kernels keep pipelined loads, and the one launch that adds every output's
+    shares compiles without spills."""
     done, rows = compile_kernels(tmp_path, "--kernel", "all_gather_matmul", "--ms", "16", "--nk", "4096",
                                  "--ns", "2", "--config", "16,64,64,4,4,4")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    shares = [r for r in rows if r["kernel"] == "_gather_rows_kernel"]
+    shares = [r for r in rows if r["kernel"] in ("_gather_rows_kernel", "_gather_cols_kernel")]
     sums = [r for r in rows if r["kernel"] == "_gather_split_k_sum_kernel"]
-    assert shares and sums, rows
+    assert {r["kernel"] for r in shares} == {"_gather_rows_kernel", "_gather_cols_kernel"} and sums, rows
     for r in shares + sums:
         assert not r["problems"] and r["spill_bytes"] == 0 and r["config"].endswith(" k4"), r
     assert all(r["loads"] == "cp.async" for r in shares), shares

@@ -281,6 +281,9 @@ def test_gpu_check_runs_several_stages_in_one_call_and_packs_past_eight_files(tm
         assert len(re.findall(rf"^    {re.escape(variant)}: [\d.]+ cpu_op/run, [\d.]+ us busy, ", profiled,
                               re.M)) == 4, profiled
     assert json.loads((tmp_path / "tune.json").read_text())["args"]["tune"] is True
+    # the fused stage measures both dims: the grid at dim 0 (row blocks), then at dim 1 (column blocks)
+    fused_rows = json.loads((tmp_path / "fused.json").read_text())["rows"]
+    assert [r["dim"] for r in fused_rows] == [0] * 4 + [1] * 4 and not any("error" in r for r in fused_rows)
     assert {r["nodeid"] for r in _lines(tmp_path / "results.jsonl") if "nodeid" in r} == {
         "tests/test_compile_pool.py::test_split_keeps_each_unit_in_one_chunk_and_balances_them"}
 

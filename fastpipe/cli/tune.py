@@ -64,7 +64,7 @@ def cmd_tune(args) -> int:
     workers = args.compile_workers if args.compile_workers is not None else \
         compile_pool.default_workers(torch.device(made[0].device))
     if workers > 0:
-        tasks = [compile_pool.task(c, cfg) for c in made if _tunable(c) for cfg in autotune.configs_for(c)]
+        tasks = [compile_pool.task(c, cfg) for c in made for cfg in autotune.configs_for(c)]
         warm = compile_pool.warm(tasks, workers, timeout_s=budget.pool_s())
         print(f"compiled {warm['tasks']} first calls ({warm['units']} kernels) on {warm['workers']} processes in "
               f"{warm['s']:.1f} s" + (f"; ENDED EARLY: {warm['error']}" if "error" in warm else ""))
@@ -176,8 +176,7 @@ def _fusion_point(call, table: dict) -> dict | None:
     from fastpipe.kernels import autotune
     from fastpipe.runtime import kernel_timing
 
-    # different launches per output (not tunable): pick_config's for each
-    config = autotune.config_in(table, call) if _tunable(call) else None
+    config = autotune.config_in(table, call)
     try:
         p = kernel_timing.fusion_point(call, config, datetime.date.today().isoformat())
     except Exception as e:  # noqa: BLE001 - reported with the call; the others are still measured
@@ -195,14 +194,6 @@ def _point_line(p: dict) -> str:
             f"{p['dtype']}: fused ({p['config']}) {p['fused_ms']:.4f} ms ({p['fused_p20']:.4f}-{p['fused_p80']:.4f}) "
             f"vs unfused {p['unfused_ms']:.4f} ms ({p['unfused_p20']:.4f}-{p['unfused_p80']:.4f}), {p['speedup']:.2f}x "
             f"({p['timing']}): {verdict}")
-
-
-def _tunable(call) -> bool:
-    try:
-        call.launch()
-    except ValueError:
-        return False
-    return True
 
 
 def _base_table(out: Path, in_use: Path) -> dict | None:

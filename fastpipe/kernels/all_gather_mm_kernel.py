@@ -9,12 +9,14 @@ participant needs the whole activation times its own weight columns ``b[j]``. Th
 2. ``_gather_rows_kernel`` (dim 0) -- the ``@triton.jit`` kernel: a tile's rows are read
    straight from the shard that holds them (a tile may span shards when M_i is not a
    multiple of BLOCK_M; each row picks its own shard's pointer), and one launch computes
-   every output j (the grid's axis 1). dim 1 (shards along K) is a sum of products over
-   K-slices -- exactly the kernel of :mod:`fastpipe.kernels.mm_reduce_scatter_kernel`, with
-   ``b[j]`` cut into row slices (views, no copies) and one plain output.
-3. :func:`all_gather_matmul` -- the launcher: validates, picks block sizes; dim 0 in one
-   launch, dim 1 one launch per output j. A config with ``tma`` runs dim 0 on
-   :mod:`fastpipe.kernels.gather_rows_tma` (dim 1 on ``mm_sum_tma``), Hopper's TMA loads.
+   every output j (the grid's axis 1). ``_gather_cols_kernel`` (dim 1, shards along K): a
+   tile's K-loop runs over every shard's K-slice in turn, each multiplied by the rows of
+   ``b[j]`` that match it, into one float32 accumulator; one launch computes every output j
+   too (the grid's axis 1).
+3. :func:`all_gather_matmul` -- the launcher: validates, picks block sizes, one launch for
+   the n outputs. A config with ``tma`` runs dim 0 on :mod:`fastpipe.kernels.gather_rows_tma`,
+   and dim 1 on ``mm_sum_tma``, once per output (``b[j]`` cut into row slices: views),
+   Hopper's TMA loads.
 4. :func:`all_gather_matmul_overlapped` -- for participants on different GPUs: participant
    j starts with its own shard and multiplies each other shard as it arrives (ring order),
    the copy of the next shard overlapping the current GEMM.
@@ -35,7 +37,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fastpipe.kernels import calls, gather_rows_tma
+from fastpipe.kernels import calls, gather_rows_tma, mm_sum_tma
 from fastpipe.kernels.mm_reduce_scatter_kernel import (
     KernelConfig,
     _input_precision,
@@ -83,7 +85,7 @@ def all_gather_matmul_reference(a: Sequence[Tensor], b: Sequence[Tensor], dim: i
 
 
 # ---------------------------------------------------------------------------
-# 2. the kernel (dim 0; dim 1 uses matmul_reduce_scatter's _mm_sum_kernel)
+# 2. the kernels (dim 0: gather_rows; dim 1: gather_cols; their split-K shares' sum)
 # ---------------------------------------------------------------------------
 
 if triton is not None:
@@ -189,6 +191,94 @@ if triton is not None:
             tl.store(c_ptrs, c_t, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
 
     @triton.jit
+    def _gather_cols_kernel(
+        A, SAM, SAK,             # tuples of NPART: shard pointers [M, K_i] and their strides
+        KS, KOFF,                # tuples of NPART: K_i, and the row of b[j] where shard i's K-slice starts
+        B, SBK, SBN,             # tuples of NPART: b[j] -> [sum K_i, N_j] and its strides
+        C, SCM, SCN,             # tuples of NPART: out_j -> [M, N_j] and its strides
+        NS,                      # tuple of NPART: N_j
+        W,                       # SPLIT_K > 1: float32 workspace [NPART, SPLIT_K, M, N_MAX] (else unused)
+        M, N_MAX,
+        NPART: tl.constexpr,
+        SPLIT_K: tl.constexpr,   # programs per output tile (grid axis 2), each a share of the K-steps
+        SAME_OUT: tl.constexpr,  # every b[j] and out_j have the same N_j and strides (read from [0])
+        INPUT_PRECISION: tl.constexpr,
+        DOT_F32: tl.constexpr,   # interpreter + bf16 only (see mm_reduce_scatter_kernel.dot_f32)
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """out_j[tile] = sum_i A[i][rows, :] @ B[j][KOFF[i]:KOFF[i] + K_i, cols]; j = program_id(1).
+
+        One launch covers every output: axis 1 of the grid is j, axis 0 the tiles of an
+        [M, max N_j] output (programs past their own N_j return at once). A tile's K-loop runs over
+        every shard's K-steps in turn (BLOCK_K each, shard 0 first), one float32 accumulator. With
+        SPLIT_K > 1, program (tile, j, s) sums the s-th of SPLIT_K equal runs of those steps into
+        W[j, s]; ``_gather_split_k_sum_kernel`` then adds the shares and writes the tiles."""
+        j = tl.program_id(1)
+        # this program's output: b[j], out_j and their shape, picked from the tuples (static unroll)
+        b_base, c_base = B[0], C[0]
+        N, sbk, sbn, scm, scn = NS[0], SBK[0], SBN[0], SCM[0], SCN[0]
+        for s in tl.static_range(1, NPART):
+            b_base = tl.where(j == s, B[s], b_base)
+            c_base = tl.where(j == s, C[s], c_base)
+            if not SAME_OUT:
+                N = tl.where(j == s, NS[s], N)
+                sbk = tl.where(j == s, SBK[s], sbk)
+                sbn = tl.where(j == s, SBN[s], sbn)
+                scm = tl.where(j == s, SCM[s], scm)
+                scn = tl.where(j == s, SCN[s], scn)
+
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        # the grid's column tiles: of the largest N_j
+        pid_m, pid_n = grouped_tile(tl.program_id(0), num_pid_m, tl.num_programs(0) // num_pid_m, GROUP_M)
+        if pid_n * BLOCK_N >= N:   # past this output's columns (only where the N_j differ)
+            return
+
+        # rows/cols wrap (% M, % N) so loads need no M/N mask; the store masks them
+        offs_am = ((pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M).to(tl.int64)
+        offs_bn = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        if SPLIT_K > 1:   # this program's run [lo, lo + per) of the tile's K-steps, counted over all shards
+            steps = 0
+            for i in tl.static_range(NPART):
+                steps += tl.cdiv(KS[i], BLOCK_K)
+            per = tl.cdiv(steps, SPLIT_K)
+            lo = tl.program_id(2) * per
+            done = 0      # the steps of the shards before i
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in tl.static_range(NPART):  # every shard's K-slice, one accumulator
+            if SPLIT_K > 1:
+                k_steps = tl.cdiv(KS[i], BLOCK_K)
+                k0 = min(max(lo - done, 0), k_steps)
+                k1 = min(max(lo + per - done, 0), k_steps)
+                done += k_steps
+            else:
+                k0 = 0
+                k1 = tl.cdiv(KS[i], BLOCK_K)
+            a_ptrs = A[i] + (offs_am[:, None] * SAM[i] + (offs_k[None, :] + k0 * BLOCK_K) * SAK[i])
+            b_rows = (KOFF[i] + k0 * BLOCK_K + offs_k).to(tl.int64)        # b[j]'s rows of this K-step
+            b_ptrs = b_base + (b_rows[:, None] * sbk + offs_bn[None, :] * sbn)
+            for k in range(k0, k1):
+                k_left = KS[i] - k * BLOCK_K
+                a_t = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b_t = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                if DOT_F32:
+                    a_t = a_t.to(tl.float32)
+                    b_t = b_t.to(tl.float32)
+                acc = tl.dot(a_t, b_t, acc, input_precision=INPUT_PRECISION)
+                a_ptrs += BLOCK_K * SAK[i]
+                b_ptrs += BLOCK_K * sbk
+
+        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SPLIT_K > 1:   # W[j, s] is a row-major [M, N_MAX] float32 plane
+            plane = W + (j * SPLIT_K + tl.program_id(2)).to(tl.int64) * M * N_MAX
+            store_tile(plane, acc, offs_cm, offs_cn, M, N, N_MAX, 1, 1, 0, False)
+        else:
+            c_t = acc.to(C[0].dtype.element_ty)
+            c_ptrs = c_base + (offs_cm.to(tl.int64)[:, None] * scm + offs_cn.to(tl.int64)[None, :] * scn)
+            tl.store(c_ptrs, c_t, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+
+    @triton.jit
     def _gather_split_k_sum_kernel(
         W, C, SCM, SCN, NS,      # the shares [NPART, SPLIT_K, M, N_MAX]; tuples of NPART: out_j, strides, N_j
         M, N_MAX,
@@ -220,7 +310,7 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(C[0].dtype.element_ty), mask=mask)
 
 else:  # pragma: no cover
-    _gather_rows_kernel = _gather_split_k_sum_kernel = None
+    _gather_rows_kernel = _gather_cols_kernel = _gather_split_k_sum_kernel = None
 
 
 # ---------------------------------------------------------------------------
@@ -269,11 +359,64 @@ def launch_gather_rows(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        if sk > 1:   # memory-bound: 32x128 tiles of 4 warps, as mm_sum's shares' sum
-            bm, bn = min(cfg.block_m, 32), min(cfg.block_n, 128)
-            _gather_split_k_sum_kernel[(triton.cdiv(M, bm), triton.cdiv(nmax, bn), n)](
-                ws, *c_args, M, nmax, NPART=n, SPLIT_K=sk, SAME_OUT=len(shapes) == 1, BLOCK_M=bm, BLOCK_N=bn,
-                num_warps=4)
+        if sk > 1:
+            _sum_shares(ws, c_args, M, nmax, n, cfg, same_out=len(shapes) == 1)
+
+
+def launch_gather_cols(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[Tensor],
+                       config: KernelConfig | None = None) -> None:
+    """outs[j] <- cat(a; 1) @ b[j] for every j, in ONE launch (operands already validated).
+
+    a[i]: [M, K_i]; b[j]: [sum K_i, N_j]; outs[j]: [M, N_j], any strides. The grid's axis 1 is j, as
+    gather_rows'. A config with ``tma`` runs mm_sum's persistent TMA kernel once per output instead
+    (each b[j] cut into the shards' row slices: views), where TMA can load the operands."""
+    what = "all_gather_matmul"
+    _require_launchable(what, outs[0].device)
+    M = outs[0].shape[0]
+    ks = [int(x.shape[1]) for x in a]
+    ns = [int(o.shape[1]) for o in outs]
+    nmax = max(ns)
+    if M == 0 or nmax == 0:
+        return
+    device = outs[0].device
+    # pick_config sees one output's [M, max N_j], the gathered K and n: the grid holds n of them
+    cfg = config or pick_config(M, nmax, sum(ks), b[0].dtype, device, launcher="gather_cols", n=len(a))
+    if cfg.tma:
+        slices = [_k_slices(a, bj) for bj in b]
+        why = next((w for w in (mm_sum_tma.tma_problem(a, s, device) for s in slices) if w), None)
+        if use_tma(why, cfg, explicit=config is not None, what=what):
+            for s, out in zip(slices, outs):   # checked above: each runs mm_sum_tma (a no-K call, its tiles)
+                launch_mm_sum(a, s, out, config=cfg, what=what)
+            return
+    # (a TMA config that did not launch runs its tiles here; split_k is 1 with tma)
+    koff = [sum(ks[:i]) for i in range(len(a))]
+    shapes = {(nj, bj.stride(), o.stride()) for nj, bj, o in zip(ns, b, outs)}
+    sk, n = cfg.split_k, len(outs)
+    c_args = (tuple(outs), tuple(o.stride(0) for o in outs), tuple(o.stride(1) for o in outs), tuple(ns))
+    # split-K: the shares' float32 [n, split_k, M, max N_j] workspace, as gather_rows'
+    ws = torch.empty(n * sk * M * nmax, dtype=torch.float32, device=device) if sk > 1 else outs[0]
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(nmax, cfg.block_n), n, sk)
+    with device_guard(device):  # Triton launches on the current device, not the tensors'
+        _gather_cols_kernel[grid](
+            tuple(a), tuple(x.stride(0) for x in a), tuple(x.stride(1) for x in a), tuple(ks), tuple(koff),
+            tuple(b), tuple(x.stride(0) for x in b), tuple(x.stride(1) for x in b),
+            *c_args, ws, M, nmax,
+            NPART=len(a), SPLIT_K=sk, SAME_OUT=len(shapes) == 1,
+            INPUT_PRECISION=_input_precision(b[0].dtype), DOT_F32=dot_f32(b[0].dtype),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if sk > 1:
+            _sum_shares(ws, c_args, M, nmax, n, cfg, same_out=len(shapes) == 1)
+
+
+def _sum_shares(ws: Tensor, c_args: tuple, M: int, nmax: int, n: int, cfg: KernelConfig, *, same_out: bool) -> None:
+    """outs[j] <- the sum of output j's split-K shares in ``ws`` [n, split_k, M, nmax], every output in one launch
+    (memory-bound: 32x128 tiles of 4 warps, as mm_sum's shares' sum). Inside the launchers' device guard."""
+    bm, bn = min(cfg.block_m, 32), min(cfg.block_n, 128)
+    _gather_split_k_sum_kernel[(triton.cdiv(M, bm), triton.cdiv(nmax, bn), n)](
+        ws, *c_args, M, nmax, NPART=n, SPLIT_K=cfg.split_k, SAME_OUT=same_out, BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=4)
 
 
 def _row_align(a: Sequence[Tensor]) -> int:
@@ -288,10 +431,10 @@ def all_gather_matmul(a: Sequence[Tensor], b: Sequence[Tensor], dim: int = 0, *,
     """[cat(a; dim) @ b[j] for j = 0..n-1], never materializing cat(a).
 
     dim 0: a[i]: [M_i, K] (equal M_i), b[j]: [K, N_j] -> out_j: [n*M_i, N_j]; each tile's
-    rows are loaded from the shard holding them, and all n outputs come from one launch (their
-    tiles share the SMs). dim 1 (-1): a[i]: [M, K_i], b[j]:
+    rows are loaded from the shard holding them. dim 1 (-1): a[i]: [M, K_i], b[j]:
     [sum K_i, N_j] -> out_j: [M, N_j]; each K-slice is read from its shard and multiplied by
-    the matching rows of b[j] (a view). Any strides; everything on one device; 1 <= n <= 8.
+    the matching rows of b[j]. Either way all n outputs come from one launch (their tiles share
+    the SMs). Any strides; everything on one device; 1 <= n <= 8.
     Returns fresh contiguous tensors in the input dtype. ``config`` overrides pick_config.
     """
     what = "all_gather_matmul"
@@ -300,11 +443,7 @@ def all_gather_matmul(a: Sequence[Tensor], b: Sequence[Tensor], dim: int = 0, *,
     _require_launchable(what, device)
     calls.note(what, a, b, dim)
     outs = [torch.empty(M, nj, dtype=bj.dtype, device=device) for bj, nj in zip(b, ns)]
-    if dim == 0:
-        launch_gather_rows(a, b, outs, config)
-    else:
-        for bj, out in zip(b, outs):
-            launch_mm_sum(a, _k_slices(a, bj), out, config=config, what=what)
+    (launch_gather_rows if dim == 0 else launch_gather_cols)(a, b, outs, config)
     return outs
 
 

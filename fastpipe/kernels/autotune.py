@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastpipe.kernels.calls import KernelCall
-from fastpipe.kernels.launch_config import KernelConfig
+from fastpipe.kernels.launch_config import KernelConfig, outputs_per_launch
 
 MIN_GAIN = 0.03
 
@@ -40,7 +40,7 @@ def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: s
     memory (an H100 has 227 KiB a block) and at most 128 fp32 accumulators a thread (128x256 on 4
     warps needs 256 and spills kilobytes of registers on sm_90: scripts/compile_kernels.py
     --tune-candidates). Also split-K (``split_k_candidates``) where a config's tiles would leave most of
-    the GPU's ``sms`` SMs idle (gather_rows: the tiles of its ``n`` outputs together, one launch); with
+    the GPU's ``sms`` SMs idle (gather_rows, gather_cols: the tiles of its ``n`` outputs together, one launch); with
     ``tma`` (a GPU of compute capability 9.0 or newer) the persistent TMA kernel (``tma_candidates``).
     smoke: interpreter-sized ones (one split-K; with ``tma`` one TMA)."""
     if smoke:
@@ -62,7 +62,7 @@ def tune_candidates(M: int, N: int, dtype: torch.dtype, smoke: bool, launcher: s
                     if stages * (bm * bk + bk * bn) * elt > 200 * 1024 or bm * bn > 128 * 32 * warps:
                         continue
                     out.append(KernelConfig(bm, bn, bk, group_m=8, num_warps=warps, num_stages=stages))
-    split = split_k_candidates(M, N, out, sms, outputs=n if launcher == "gather_rows" else 1)
+    split = split_k_candidates(M, N, out, sms, outputs=outputs_per_launch(launcher, n))
     return out + split + (tma_candidates(out) if tma else [])
 
 

@@ -40,19 +40,15 @@ class KernelCall:
                    tuple((tuple(x.shape), tuple(x.stride())) for x in b), str(a[0].device))
 
     def launch(self) -> tuple[str, int, int, int, int]:
-        """(launcher, M, N, K, n) as pick_config sees this call's launch; ValueError where one config
-        serves launches of different shapes (all_gather_matmul dim 1 with outputs of different widths)."""
+        """(launcher, M, N, K, n) as pick_config sees this call's launch (fastpipe.kernels.tuned: what each
+        launcher's M, N and K are)."""
         n = len(self.a)
-        kmax = max(s[1] for s, _ in self.a)
-        widths = {s[1] for s, _ in self.b}
+        widest = max(s[1] for s, _ in self.b)
         if self.kernel == "matmul_reduce_scatter":
-            return "mm_sum", self.a[0][0][0], self.b[0][0][1], kmax, n
-        if self.dim == 0:       # one launch for the n outputs: the widest one's [M, N] and n
-            return "gather_rows", n * self.a[0][0][0], max(widths), self.a[0][0][1], n
-        if len(widths) > 1:
-            raise ValueError(f"its {n} outputs have different widths ({sorted(widths)}): one launch each, "
-                             "of different shapes")
-        return "mm_sum", self.a[0][0][0], widths.pop(), kmax, n
+            return "mm_sum", self.a[0][0][0], self.b[0][0][1], max(s[1] for s, _ in self.a), n
+        if self.dim == 0:       # one launch for the n outputs: the widest one's [M, N], the gathered K, and n
+            return "gather_rows", n * self.a[0][0][0], widest, self.a[0][0][1], n
+        return "gather_cols", self.a[0][0][0], widest, sum(s[1] for s, _ in self.a), n
 
     def rule_shape(self) -> tuple[int, int, int, int]:
         """(M, N, K_total, n) as fastpipe.kernels.fusion_rule measures the group (the bench's terms, which

@@ -27,8 +27,9 @@ what to measure.
 
 A point also records the revision of the kernel it timed (``KERNEL_REVISIONS`` below, bumped by
 any change to a kernel or its launch that can change its speed; a bench row without one predates
-them: revision 1). A point of an older revision still decides -- it is the only measurement there
-is -- and its reason says that it is stale and what changed since.
+them: revision 1). ``REVISION_CHANGES`` says what each change was and which dims it touched: a point
+is stale where a change since its revision touched its dim. A stale point still decides -- it is the
+only measurement there is -- and its reason says that it is stale and what changed since.
 
 Each point names the GPU that timed it (``device``, as ``torch.cuda.get_device_name`` gives it):
 a crossover measured on one GPU model says little of another's. A call on a GPU with points of
@@ -63,11 +64,14 @@ PACKAGED = Path(__file__).with_name("fusion_measured.json")
 CRITERION = ("fused_wins: the fused kernel's p80 time below the unfused path's p20 "
              "(bench/bench_fused_kernels.py, CUDA-graph replays); the nearest point in log2(M, N, K_total, n) decides, "
              "among the points of the GPU it runs on (every GPU's where that one was not measured)")
-# The kernels' revisions, as bench rows record them (kernel_revision), and what each change did
-KERNEL_REVISIONS = {"matmul_reduce_scatter": 1, "all_gather_matmul": 2}
+# The kernels' revisions, as bench rows record them (kernel_revision), and what each change did: (the dims whose
+# speed it can change, what it was)
+KERNEL_REVISIONS = {"matmul_reduce_scatter": 1, "all_gather_matmul": 3}
 REVISION_CHANGES = {
-    ("all_gather_matmul", 2): "since 2026-11-26 it computes dim 0's n outputs in one launch, not n one "
-                              "after another",
+    ("all_gather_matmul", 2): ((0,), "since 2026-11-26 it computes dim 0's n outputs in one launch, not n one "
+                                     "after another"),
+    ("all_gather_matmul", 3): ((1,), "since 2026-11-26 (later) it computes dim 1's n outputs in one launch "
+                                     "(gather_cols), not one mm_sum launch per output"),
 }
 # dtypes measured under another's name: the same element size and the same kernel code
 _SAME_AS = {"float16": "bfloat16"}
@@ -149,9 +153,16 @@ def row_revision(row: dict) -> int:
     return row.get("kernel_revision", 1)
 
 
-def stale_revisions(kernel: str, revisions) -> list[int]:
-    """Those of these revisions that are not the kernel's current one, sorted."""
-    return sorted({r for r in revisions if r != KERNEL_REVISIONS[kernel]})
+def changes_since(kernel: str, dim: int, revision: int) -> list[str]:
+    """What changed since that revision of the kernel that can change its speed at this dim (``REVISION_CHANGES``,
+    oldest first); [] where that revision timed the kernel as it runs now at this dim."""
+    return [text for (k, r), (dims, text) in sorted(REVISION_CHANGES.items())
+            if k == kernel and revision < r <= KERNEL_REVISIONS[kernel] and dim in dims]
+
+
+def stale_revisions(kernel: str, dim: int, revisions) -> list[int]:
+    """Those of these revisions (of points at this dim) that timed the kernel before a change at that dim, sorted."""
+    return sorted({r for r in revisions if changes_since(kernel, dim, r)})
 
 
 def table_from_rows(rows: list[dict], machines: list[dict], sources: list[str]) -> dict:
@@ -278,19 +289,18 @@ def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int 
     exact = best == 0.0
     at = "measured at this shape" if exact else f"the nearest measured shape{'s' if len(near) > 1 else ''}"
     on = "" if each else f", on {where(near[0])}"
-    return Estimate(fused, f"{at}: {evidence}, {as_dtype} dim {dim}{on}{also}{_staleness(kernel, near)}{elsewhere}")
+    return Estimate(fused, f"{at}: {evidence}, {as_dtype} dim {dim}{on}{also}{_staleness(kernel, dim, near)}{elsewhere}")
 
 
-def _staleness(kernel: str, near: list[dict]) -> str:
-    """'' where the points timed the kernel as it is now; else what changed since they were measured."""
-    now = KERNEL_REVISIONS[kernel]
-    old = stale_revisions(kernel, (p["revision"] for p in near))
+def _staleness(kernel: str, dim: int, near: list[dict]) -> str:
+    """'' where the points timed the kernel as it runs now at their dim; else what changed since they were
+    measured."""
+    old = stale_revisions(kernel, dim, (p["revision"] for p in near))
     if not old:
         return ""
-    changes = "; ".join(REVISION_CHANGES[(kernel, r)] for r in range(min(old) + 1, now + 1)
-                        if (kernel, r) in REVISION_CHANGES)
+    changes = "; ".join(changes_since(kernel, dim, min(old)))
     return (f"; stale: measured with revision {', '.join(map(str, old))} of the kernel, which is now "
-            f"revision {now} ({changes}): `scripts/gpu_check.sh fused` measures it again")
+            f"revision {KERNEL_REVISIONS[kernel]} ({changes}): `scripts/gpu_check.sh fused` measures it again")
 
 
 def fused_is_faster(M: int, N: int, K_total: int, n: int, dtype, *, kernel: str, dim: int = 0,

@@ -7,6 +7,15 @@ from dataclasses import dataclass
 
 MAX_SPLIT_K = 16
 TMA_MAX_BOX = 256
+# The launchers (the tuned table's "launcher"): mm_sum (matmul_reduce_scatter), gather_rows (all_gather_matmul
+# dim 0) and gather_cols (all_gather_matmul dim 1). The gather ones compute a group's n outputs in one launch.
+LAUNCHERS = ("mm_sum", "gather_rows", "gather_cols")
+
+
+def outputs_per_launch(launcher: str, n: int) -> int:
+    """How many [M, N] outputs one launch of ``launcher`` computes for a group of n: its grid has that many
+    times one output's tiles (the SMs they fill decide the heuristic's tiles and the split-K candidates)."""
+    return n if launcher in ("gather_rows", "gather_cols") else 1
 
 
 @dataclass(frozen=True)
@@ -17,13 +26,14 @@ class KernelConfig:
     group_m: row tiles per group in the grouped (L2-friendly) program order.
     num_warps/num_stages: Triton's; stages is the depth of the software pipeline of loads.
     split_k: the K-loop cut into this many programs per output tile, each summing its share of the
-    K-steps (for mm_sum over all participants; for gather_rows, all_gather_matmul dim 0, of each
-    output j) into a float32 workspace, then one more launch adds the shares in a fixed order and
-    writes the tiles. More programs where the output has fewer tiles than the GPU has SMs (a
-    decode's M), at the cost of split_k x M x N x 4 bytes (gather_rows: per output) written and read
-    back. 1: no split.
+    K-steps (for mm_sum and gather_cols over all participants' K-slices; for gather_rows of the
+    gathered K; for the gather launchers, of each output j) into a float32 workspace, then one more
+    launch adds the shares in a fixed order and writes the tiles. More programs where the output has
+    fewer tiles than the GPU has SMs (a decode's M), at the cost of split_k x M x N x 4 bytes (the
+    gather launchers: per output) written and read back. 1: no split.
     tma: the persistent kernel that loads tiles with Hopper's tensor memory accelerator
-    (``fastpipe.kernels.mm_sum_tma`` for the mm_sum launcher, ``gather_rows_tma`` for gather_rows): one
+    (``fastpipe.kernels.mm_sum_tma`` for the mm_sum launcher, and for gather_cols once per output;
+    ``gather_rows_tma`` for gather_rows): one
     program per SM, each taking output tiles in turn, the operand tiles copied into shared memory by
     TMA descriptors instead of per-thread pointer loads. Needs compute capability 9.0 or newer, and
     operands TMA can address (a row-major a[i]; every b row-major or every one column-major; 16-byte

@@ -51,7 +51,7 @@ from torch import Tensor
 from fastpipe.errors import RunError
 from fastpipe.kernels import calls, mm_sum_tma
 from fastpipe.kernels.fusion_rule import gpu_name
-from fastpipe.kernels.launch_config import KernelConfig
+from fastpipe.kernels.launch_config import KernelConfig, outputs_per_launch
 from fastpipe.kernels.tuned import lookup
 
 try:  # Triton is optional: the references and the validation work without it.
@@ -252,8 +252,8 @@ def _pow2_clamp(x: int, lo: int, hi: int) -> int:
 def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str = "cuda", *,
                 launcher: str = "mm_sum", n: int = 1, use_tuned: bool = True) -> KernelConfig:
     """Block sizes for an [M, K] x [K, N] sum of products (K = the longest participant's K; n
-    participants; launcher: the kernel, "mm_sum" or "gather_rows"). A gather_rows launch computes
-    n such outputs at once (N: the widest one), so its grid has n times the tiles of one.
+    participants; launcher: the kernel, "mm_sum", "gather_rows" or "gather_cols"). A gather launch
+    computes n such outputs at once (N: the widest one), so its grid has n times the tiles of one.
 
     On a GPU, a config measured for this GPU, dtype, N, K and n comes first
     (fastpipe.kernels.tuned: the table ``bench/bench_fused_kernels.py --tune`` and
@@ -268,7 +268,7 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
       longer K step keeps more bytes in flight per stage. ``BLOCK_N`` starts at 256 (with
       BLOCK_M 128) or 128, and halves (down to 32) while the grid would leave SMs idle --
       the heuristic does not split K (a tuned config may: ``KernelConfig.split_k``), so
-      parallelism comes from N tiles (gather_rows: from the n outputs' N tiles together).
+      parallelism comes from N tiles (the gather launchers: from the n outputs' N tiles together).
       ``num_warps`` 8 for tiles of >= 128x128, else 4; ``num_stages`` 3 for 128x256 tiles
       (3 x 48 KiB of shared memory), else 4.
     * float32 on a GPU: 128x128x32 (64x128 for M <= 64), 8 warps, 3 stages -- fp32 tiles
@@ -295,7 +295,7 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
     bm = _pow2_clamp(M, 16, 128)
     bk = 64 if bm == 128 else 128
     bn = 256 if bm == 128 else 128
-    outputs = n if launcher == "gather_rows" else 1       # one launch, n outputs' tiles
+    outputs = outputs_per_launch(launcher, n)             # gather_*: one launch, n outputs' tiles
     while bn > 32 and outputs * -(-M // bm) * -(-N // bn) < sms:
         bn //= 2
     num_warps = 8 if bm * bn >= 128 * 128 else 4
@@ -346,7 +346,7 @@ def launch_mm_sum(a: Sequence[Tensor], b: Sequence[Tensor], out: Tensor, *, spli
     ``out`` is an [M, N] tensor (any strides), or -- with ``split_cols = N/n`` -- the
     [n, M, N/n] buffer whose chunk j receives columns ``j*split_cols ..``; then
     ``chunk_stride`` is the distance between chunks and ``out_strides`` the (row, col)
-    strides inside one. Shared with all_gather_matmul (dim 1).
+    strides inside one. all_gather_matmul's dim 1 runs here only under a TMA config (once per output).
     """
     M, N = a[0].shape[0], b[0].shape[1]
     _require_launchable(what, out.device)

@@ -9,15 +9,17 @@ A table is JSON written by ``bench/bench_fused_kernels.py --write-tuned`` from a
                                           "num_warps": 8, "num_stages": 3},
                                "ms": 0.21, "heuristic_ms": 0.25}, ...]}
 
-launcher: the kernel launched, ``mm_sum`` (matmul_reduce_scatter; all_gather_matmul with dim 1) or
-``gather_rows`` (all_gather_matmul with dim 0); M, N, K, n: what that launcher sees (rows, columns, the
-longest participant's K, participants). An entry applies to the GPU whose name it records (a config
+launcher: the kernel launched, ``mm_sum`` (matmul_reduce_scatter), ``gather_rows`` (all_gather_matmul
+with dim 0) or ``gather_cols`` (all_gather_matmul with dim 1; before 2026-11-26 these calls ran on
+mm_sum, one launch per output, and were tuned as mm_sum); M, N, K, n: what that launcher sees (rows,
+columns -- the widest output's, for the gather launchers, which compute the n outputs in one launch --,
+K -- mm_sum: the longest participant's; the gather launchers: the gathered product's --, participants). An entry applies to the GPU whose name it records (a config
 tuned on one GPU says nothing of another's), the same dtype, N, K and n, and to calls whose M is within
 a factor of two of its own (M/2 < call's M <= 2M; the nearest entry wins, a tie the larger), and above
 the largest measured M, to every M -- but a split-K config (``config.split_k`` > 1) only within its
 factor of two: a larger M fills the GPU with its own tiles. A
-config with ``"tma": true`` runs the launcher's persistent TMA kernel (``mm_sum_tma``,
-``gather_rows_tma``); where a call's operands do not suit TMA its tiles run with pointer loads, with a
+config with ``"tma": true`` runs the launcher's persistent TMA kernel (``mm_sum_tma``, for gather_cols
+once per output; ``gather_rows_tma``); where a call's operands do not suit TMA its tiles run with pointer loads, with a
 warning.
 Elsewhere the heuristic picks: a config's fitness depends on how many tiles the grid has
 (ceil(M / BLOCK_M) x ceil(N / BLOCK_N) against the SMs), so one tuned at M 1024 (a 128x256 tile, 128
@@ -38,10 +40,9 @@ from pathlib import Path
 
 import torch
 
-from fastpipe.kernels.launch_config import KernelConfig
+from fastpipe.kernels.launch_config import LAUNCHERS, KernelConfig
 from fastpipe.kernels.measured_doc import check_choice, check_positive_ints, entries, read_cached
 
-LAUNCHERS = ("mm_sum", "gather_rows")
 PACKAGED = Path(__file__).with_name("tuned_configs.json")
 _FIELDS = ("launcher", "device", "dtype", "M", "N", "K", "n", "config")
 
