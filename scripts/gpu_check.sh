@@ -31,7 +31,8 @@
 #   bash scripts/gpu_check.sh tune        # launch configs per shape (--tune, M 1024 and 8192): tune.json and
 #                                         # tuned_configs.json (commit as fastpipe/kernels/tuned_configs.json
 #                                         # where it beat the heuristic); `tune --ms 16,128`: decode sizes,
-#                                         # with the split-K candidates (docs/kernels.md)
+#                                         # with the split-K candidates (docs/kernels.md); `tune --dim 1`:
+#                                         # the column-block launches (dim 0 unless given)
 #   bash scripts/gpu_check.sh shapes      # `fastpipe tune` at a real model's shapes (bench/tune_model_shapes.py:
 #                                         # Llama-3-8B's MLP, tp 2, M 16 to 8192) -> shapes.json: per shape the
 #                                         # fused and unfused times, and whether the shipped grid's rule guessed
