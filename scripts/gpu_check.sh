@@ -64,7 +64,8 @@
 # The machine has python3 with torch, triton, safetensors, pytest, pytest-benchmark and no network
 # (its image also had transformers, hypothesis, pytest-xdist and pytest-timeout on 2026-11-17; each
 # is checked here). Tests needing what is absent are left out and listed in $OUT/summary.txt. With
-# pytest-xdist the tests run on (cores - 2) workers, at most 14, each test file whole on one worker;
+# pytest-xdist the tests run on (cores - 2) workers, at most 14, spread test by test (--dist worksteal;
+# loadfile, each file whole on one worker, with pytest-xdist < 3.2);
 # with pytest-timeout a test running past 300 s fails (its stacks in results.jsonl) and the rest go on.
 # At most 8 files come back from $OUT: machine.txt, summary.txt, <stage>.log, results.jsonl (tests
 # stages), and the stage's JSON (bench.json, fused.json + fusion_measured.json, tune.json +
@@ -167,7 +168,14 @@ run_pytest() {  # name, marker expression or "": one pytest over the suite (or t
     local n=$(( $(nproc) - 2 ))
     [ $n -gt 14 ] && n=14
     [ $n -lt 1 ] && n=1
-    args+=(-n "$n" --dist loadfile)
+    # worksteal (pytest-xdist >= 3.2): each worker starts on its share of the tests in order (a file's
+    # tests mostly together, so module fixtures are mostly built once), and a worker that runs out takes
+    # half of the longest queue. Under loadfile a file went whole to one worker, and on 2026-11-26 (H200,
+    # 14 workers) test_cli.py's 223 s on one worker made the whole run's 256 s, of 1554 s of tests.
+    local dist=loadfile
+    python3 -c "import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split('.')[:2])) < (3, 2))" \
+      2>/dev/null && dist=worksteal
+    args+=(-n "$n" --dist "$dist")
   fi
   # pytest-timeout's signal method fails the test and the worker goes on; its thread method ends the
   # worker (os._exit), and on 2026-11-26 four workers ended so under a 120 s cap while 14 workers

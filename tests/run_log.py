@@ -22,8 +22,10 @@ lands. An interrupted pytest-xdist run may still write "finished" with status 0:
 the results with "collected".
 
 ``--cuda-first``: the files holding ``cuda``-marked tests run first, in collection order, then the rest
-(under pytest-xdist's ``--dist loadfile`` too: its reordering by test count is turned off), so a run cut
-short has spent its time on the tests only the GPU machine can run.
+(under pytest-xdist's ``--dist loadfile`` too: its reordering by test count is turned off; under
+``--dist worksteal``, what gpu_check.sh runs, each worker starts on its share of the tests in this order,
+so the first workers start on the cuda files), so a run cut short has spent its time on the tests only
+the GPU machine can run.
 """
 from __future__ import annotations
 

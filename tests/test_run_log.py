@@ -179,6 +179,18 @@ def test_cuda_first_under_xdist_loadfile(tmp_path):
     assert first[False] != "tests/test_weights_gpu.py"    # xdist 3.8: test_layering.py (29 tests) first
 
 
+def test_cuda_first_under_xdist_worksteal(tmp_path):
+    """What gpu_check's tests stage runs (--dist worksteal): each worker starts on its share of the tests in
+    collection order, so with --cuda-first the first worker starts on the cuda files."""
+    node = ["tests/test_cli.py::test_console_script_installed", "tests/test_layering.py", "tests/test_weights_gpu.py"]
+    out = tmp_path / "r.jsonl"
+    proc = _pytest(ROOT, "-q", "-n", "1", "--dist", "worksteal", "--results-jsonl", str(out), "--cuda-first", *node)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = [r["nodeid"].split("::")[0] for r in _lines(out) if "nodeid" in r]
+    n_gpu = files.count("tests/test_weights_gpu.py")
+    assert n_gpu and set(files[:n_gpu]) == {"tests/test_weights_gpu.py"}, files
+
+
 def test_sigint_at_the_limit_keeps_the_results(tmp_path):
     """What gpu_check's `timeout -s INT` does at the call's limit: the results so far are on disk."""
     (tmp_path / "test_slow.py").write_text(textwrap.dedent('''
@@ -230,6 +242,11 @@ def test_gpu_check_tests_stage_on_cpu(tmp_path, limit_hit):
     assert "NOT A GPU RUN: 3 cuda-marked tests skipped for want of a GPU, 0 passed" in summary + proc.stdout
     recs = _lines(tmp_path / "results.jsonl")
     assert recs[0]["event"] == "start" and "--cuda-first" in recs[0]["argv"]
+    # the tests spread test by test (worksteal), not file by file: one file's 223 s made a whole GPU run's 256 s
+    import xdist
+    dist = "worksteal" if tuple(map(int, xdist.__version__.split(".")[:2])) >= (3, 2) else "loadfile"
+    argv = recs[0]["argv"]
+    assert argv[argv.index("--dist") + 1] == dist, argv
     ran = {r["nodeid"] for r in recs if "nodeid" in r}
     if limit_hit:
         assert "tests: rc=124 in " in summary and "NO RESULT for " in summary
