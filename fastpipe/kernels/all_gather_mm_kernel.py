@@ -56,7 +56,7 @@ from fastpipe.kernels.mm_reduce_scatter_kernel import (
     triton,
     use_tma,
 )
-from fastpipe.kernels.tiles import grouped_tile, store_tile
+from fastpipe.kernels.tiles import grouped_tile, pick_output, split_k_share, steps_in_share, store_tile
 
 __all__ = ["all_gather_matmul", "all_gather_matmul_overlapped", "all_gather_matmul_reference"]
 
@@ -115,18 +115,8 @@ if triton is not None:
         program (tile, j, s) sums the s-th of SPLIT_K equal runs of the tile's K-steps into
         W[j, s]; ``_gather_split_k_sum_kernel`` then adds the shares and writes the tiles."""
         j = tl.program_id(1)
-        # this program's output: b[j], out_j and their shape, picked from the tuples (static unroll)
-        b_base, c_base = B[0], C[0]
-        N, sbk, sbn, scm, scn = NS[0], SBK[0], SBN[0], SCM[0], SCN[0]
-        for s in tl.static_range(1, NPART):
-            b_base = tl.where(j == s, B[s], b_base)
-            c_base = tl.where(j == s, C[s], c_base)
-            if not SAME_OUT:
-                N = tl.where(j == s, NS[s], N)
-                sbk = tl.where(j == s, SBK[s], sbk)
-                sbn = tl.where(j == s, SBN[s], sbn)
-                scm = tl.where(j == s, SCM[s], scm)
-                scn = tl.where(j == s, SCN[s], scn)
+        # this program's output: b[j], out_j and their shape
+        b_base, c_base, N, sbk, sbn, scm, scn = pick_output(j, B, C, NS, SBK, SBN, SCM, SCN, NPART, SAME_OUT)
 
         M = M_SHARD * NPART
         num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -214,18 +204,8 @@ if triton is not None:
         SPLIT_K > 1, program (tile, j, s) sums the s-th of SPLIT_K equal runs of those steps into
         W[j, s]; ``_gather_split_k_sum_kernel`` then adds the shares and writes the tiles."""
         j = tl.program_id(1)
-        # this program's output: b[j], out_j and their shape, picked from the tuples (static unroll)
-        b_base, c_base = B[0], C[0]
-        N, sbk, sbn, scm, scn = NS[0], SBK[0], SBN[0], SCM[0], SCN[0]
-        for s in tl.static_range(1, NPART):
-            b_base = tl.where(j == s, B[s], b_base)
-            c_base = tl.where(j == s, C[s], c_base)
-            if not SAME_OUT:
-                N = tl.where(j == s, NS[s], N)
-                sbk = tl.where(j == s, SBK[s], sbk)
-                sbn = tl.where(j == s, SBN[s], sbn)
-                scm = tl.where(j == s, SCM[s], scm)
-                scn = tl.where(j == s, SCN[s], scn)
+        # this program's output: b[j], out_j and their shape
+        b_base, c_base, N, sbk, sbn, scm, scn = pick_output(j, B, C, NS, SBK, SBN, SCM, SCN, NPART, SAME_OUT)
 
         num_pid_m = tl.cdiv(M, BLOCK_M)
         # the grid's column tiles: of the largest N_j
@@ -238,18 +218,13 @@ if triton is not None:
         offs_bn = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         if SPLIT_K > 1:   # this program's run [lo, lo + per) of the tile's K-steps, counted over all shards
-            steps = 0
-            for i in tl.static_range(NPART):
-                steps += tl.cdiv(KS[i], BLOCK_K)
-            per = tl.cdiv(steps, SPLIT_K)
-            lo = tl.program_id(2) * per
+            lo, per = split_k_share(KS, NPART, BLOCK_K, SPLIT_K, 2)
             done = 0      # the steps of the shards before i
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(NPART):  # every shard's K-slice, one accumulator
             if SPLIT_K > 1:
                 k_steps = tl.cdiv(KS[i], BLOCK_K)
-                k0 = min(max(lo - done, 0), k_steps)
-                k1 = min(max(lo + per - done, 0), k_steps)
+                k0, k1 = steps_in_share(k_steps, lo, per, done)
                 done += k_steps
             else:
                 k0 = 0

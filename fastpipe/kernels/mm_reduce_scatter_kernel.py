@@ -64,7 +64,7 @@ else:
     from fastpipe.kernels import _triton_compat
 
     _triton_compat.apply()  # Triton <= 3.6's interpreter with numpy >= 2.4 (see _triton_compat)
-    from fastpipe.kernels.tiles import grouped_tile, store_tile
+    from fastpipe.kernels.tiles import grouped_tile, split_k_share, steps_in_share, store_tile
 
 __all__ = [
     "KernelConfig",
@@ -155,18 +155,13 @@ if triton is not None:
         offs_bn = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         if SPLIT_K > 1:   # this program's run [lo, lo + per) of the tile's K-steps, counted over all participants
-            steps = 0
-            for i in tl.static_range(NPART):
-                steps += tl.cdiv(K[i], BLOCK_K)
-            per = tl.cdiv(steps, SPLIT_K)
-            lo = tl.program_id(1) * per
+            lo, per = split_k_share(K, NPART, BLOCK_K, SPLIT_K, 1)
             done = 0      # the steps of the participants before i
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in tl.static_range(NPART):  # every participant's K-slices, one accumulator
             if SPLIT_K > 1:
                 k_steps = tl.cdiv(K[i], BLOCK_K)
-                k0 = min(max(lo - done, 0), k_steps)
-                k1 = min(max(lo + per - done, 0), k_steps)
+                k0, k1 = steps_in_share(k_steps, lo, per, done)
                 done += k_steps
                 a_ptrs = A[i] + (offs_am[:, None] * SAM[i] + (offs_k[None, :] + k0 * BLOCK_K) * SAK[i])
                 b_ptrs = B[i] + ((offs_k[:, None] + k0 * BLOCK_K) * SBK[i] + offs_bn[None, :] * SBN[i])

@@ -5,6 +5,11 @@ stored (``@triton.jit`` functions, inlined into each kernel that calls them; not
   another on the same column tile, so they share its B tile in L2.
 * :func:`store_tile` -- the masked store of one tile into a plain [M, N] output, or into the column
   chunks of one [n, M, N/n] buffer.
+* :func:`split_k_share` and :func:`steps_in_share` -- split-K over several participants' K-loops: which
+  run of a tile's K-steps, counted over every participant in turn, one program sums, and which of one
+  participant's steps fall in it.
+* :func:`pick_output` -- the gather kernels' output j (b[j], out_j, N_j and their strides), picked from
+  the argument tuples.
 """
 from __future__ import annotations
 
@@ -44,5 +49,40 @@ if triton is not None:
             cols = offs_cn.to(tl.int64) * stride_cn
         tl.store(C + (rows + cols[None, :]), vals, mask=mask)
 
+    @triton.jit
+    def split_k_share(K, NPART: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, AXIS: tl.constexpr):
+        """(lo, per): the program whose id along grid axis AXIS is s (its share, of SPLIT_K) sums the K-steps
+        [lo, lo + per) of a tile, lo = s * per, the steps (BLOCK_K each) counted over the NPART participants'
+        K[i] in turn."""
+        steps = 0
+        for i in tl.static_range(NPART):
+            steps += tl.cdiv(K[i], BLOCK_K)
+        per = tl.cdiv(steps, SPLIT_K)
+        return tl.program_id(AXIS) * per, per
+
+    @triton.jit
+    def steps_in_share(k_steps, lo, per, done):
+        """(k0, k1): the steps [k0, k1) of one participant's k_steps that fall in the share [lo, lo + per),
+        ``done`` being the steps of the participants before it."""
+        return min(max(lo - done, 0), k_steps), min(max(lo + per - done, 0), k_steps)
+
+    @triton.jit
+    def pick_output(j, B, C, NS, SBK, SBN, SCM, SCN, NPART: tl.constexpr, SAME_OUT: tl.constexpr):
+        """(b[j], out_j, N_j, b[j]'s strides, out_j's strides) from tuples of NPART (a static unroll of
+        selects); with SAME_OUT every output's shape and strides are read from [0] (Triton's specialization of
+        a unit stride then survives: vectorized loads)."""
+        b_base, c_base = B[0], C[0]
+        N, sbk, sbn, scm, scn = NS[0], SBK[0], SBN[0], SCM[0], SCN[0]
+        for s in tl.static_range(1, NPART):
+            b_base = tl.where(j == s, B[s], b_base)
+            c_base = tl.where(j == s, C[s], c_base)
+            if not SAME_OUT:
+                N = tl.where(j == s, NS[s], N)
+                sbk = tl.where(j == s, SBK[s], sbk)
+                sbn = tl.where(j == s, SBN[s], sbn)
+                scm = tl.where(j == s, SCM[s], scm)
+                scn = tl.where(j == s, SCN[s], scn)
+        return b_base, c_base, N, sbk, sbn, scm, scn
+
 else:  # pragma: no cover
-    grouped_tile = store_tile = None
+    grouped_tile = store_tile = split_k_share = steps_in_share = pick_output = None
