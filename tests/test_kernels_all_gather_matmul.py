@@ -105,23 +105,6 @@ def test_dim0_every_output_in_one_launch(monkeypatch, n):
     assert_matches(outs, a, b, 0)
 
 
-def test_dim0_outputs_of_different_widths():
-    """N_j of 16, 70 and 5 with 16-column tiles: the grid is sized for the widest (5 column tiles);
-    the programs past a narrower output's columns write nothing. The outputs are column blocks of
-    one NaN-filled buffer with a column between them, which must still be NaN afterwards."""
-    g = torch.Generator().manual_seed(8)
-    a = [torch.randn(9, 24, generator=g).to(DEV) for _ in range(3)]
-    b = [torch.randn(24, 16, generator=g).to(DEV), torch.randn(70, 24, generator=g).to(DEV).t(),
-         torch.randn(24, 5, generator=g).to(DEV)]
-    buf = torch.full((27, 16 + 70 + 5 + 3), float("nan"), device=DEV)
-    outs = [buf[:, 0:16], buf[:, 17:87], buf[:, 88:93]]            # [27, N_j] views, row stride 94
-    agm.launch_gather_rows(a, b, outs, KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1))
-    assert buf[:, [16, 87, 93]].isnan().all(), "a program wrote past its output's columns"
-    assert_matches([o.contiguous() for o in outs], a, b, 0)
-    # the public function, whose outputs are its own fresh tensors
-    assert [tuple(o.shape) for o in all_gather_matmul(a, b, dim=0)] == [(27, 16), (27, 70), (27, 5)]
-
-
 def test_dim1_noncontiguous_shards():
     g = torch.Generator().manual_seed(6)
     a = [torch.randn(19, 40, generator=g).t().to(DEV), torch.randn(40, 30, generator=g)[:, ::2].to(DEV)]
@@ -144,21 +127,29 @@ def test_dim1_every_output_in_one_launch(monkeypatch, n):
     assert_matches(outs, a, b, 1)
 
 
-def test_dim1_outputs_of_different_widths_and_an_empty_shard():
-    """N_j of 16, 70 and 5 with 16-column tiles (the grid sized for the widest), shards of K 24, 0 and 13 (the
-    empty one adds nothing), one of them a transposed view; the outputs are column blocks of one NaN-filled
-    buffer with a column between them, which must still be NaN afterwards."""
-    g = torch.Generator().manual_seed(18)
-    a = [torch.randn(27, 24, generator=g).to(DEV), torch.randn(27, 0, generator=g).to(DEV),
-         torch.randn(13, 27, generator=g).to(DEV).t()]
-    b = [torch.randn(37, 16, generator=g).to(DEV), torch.randn(70, 37, generator=g).to(DEV).t(),
-         torch.randn(37, 5, generator=g).to(DEV)]
+@pytest.mark.parametrize("dim", [0, 1])
+def test_outputs_of_different_widths(dim):
+    """N_j of 16, 70 and 5 with 16-column tiles: the grid is sized for the widest (5 column tiles); the programs
+    past a narrower output's columns write nothing. The outputs are column blocks of one NaN-filled buffer with
+    a column between them, which must still be NaN afterwards. dim 0: shards of 9 rows; dim 1: shards of K 24,
+    0 and 13 (the empty one adds nothing), one a transposed view."""
+    g = torch.Generator().manual_seed(8 + 10 * dim)
+    if dim == 0:
+        a = [torch.randn(9, 24, generator=g).to(DEV) for _ in range(3)]
+    else:
+        a = [torch.randn(27, 24, generator=g).to(DEV), torch.randn(27, 0, generator=g).to(DEV),
+             torch.randn(13, 27, generator=g).to(DEV).t()]
+    k = 24 if dim == 0 else 37
+    b = [torch.randn(k, 16, generator=g).to(DEV), torch.randn(70, k, generator=g).to(DEV).t(),
+         torch.randn(k, 5, generator=g).to(DEV)]
     buf = torch.full((27, 16 + 70 + 5 + 3), float("nan"), device=DEV)
     outs = [buf[:, 0:16], buf[:, 17:87], buf[:, 88:93]]            # [27, N_j] views, row stride 94
-    agm.launch_gather_cols(a, b, outs, KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1))
+    launch = agm.launch_gather_rows if dim == 0 else agm.launch_gather_cols
+    launch(a, b, outs, KernelConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1))
     assert buf[:, [16, 87, 93]].isnan().all(), "a program wrote past its output's columns"
-    assert_matches([o.contiguous() for o in outs], a, b, 1)
-    assert [tuple(o.shape) for o in all_gather_matmul(a, b, dim=1)] == [(27, 16), (27, 70), (27, 5)]
+    assert_matches([o.contiguous() for o in outs], a, b, dim)
+    # the public function, whose outputs are its own fresh tensors
+    assert [tuple(o.shape) for o in all_gather_matmul(a, b, dim=dim)] == [(27, 16), (27, 70), (27, 5)]
 
 
 @pytest.mark.parametrize("n,split_k", [(1, 2), (2, 3), (3, 2), (4, 16)])

@@ -56,7 +56,7 @@ from fastpipe.kernels.mm_reduce_scatter_kernel import (
     triton,
     use_tma,
 )
-from fastpipe.kernels.tiles import grouped_tile, pick_output, split_k_share, steps_in_share, store_tile
+from fastpipe.kernels.tiles import dot_step, grouped_tile, pick_output, split_k_share, steps_in_share, store_tile
 
 __all__ = ["all_gather_matmul", "all_gather_matmul_overlapped", "all_gather_matmul_reference"]
 
@@ -89,6 +89,22 @@ def all_gather_matmul_reference(a: Sequence[Tensor], b: Sequence[Tensor], dim: i
 # ---------------------------------------------------------------------------
 
 if triton is not None:
+
+    @triton.jit
+    def _store_gathered(acc, W, c_base, j, pid_m, pid_n, M, N, N_MAX, scm, scn,
+                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A gather kernel's tile (pid_m, pid_n) of output j: its float32 share into W[j, s] (SPLIT_K > 1: W a
+        row-major [NPART, SPLIT_K, M, N_MAX] float32 workspace, s = program_id(2)), else rounded once into
+        out_j (c_base, strides scm, scn), masked to M x N."""
+        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SPLIT_K > 1:   # W[j, s] is a row-major [M, N_MAX] float32 plane
+            plane = W + (j * SPLIT_K + tl.program_id(2)).to(tl.int64) * M * N_MAX
+            store_tile(plane, acc, offs_cm, offs_cn, M, N, N_MAX, 1, 1, 0, False)
+        else:
+            c_t = acc.to(c_base.dtype.element_ty)
+            c_ptrs = c_base + (offs_cm.to(tl.int64)[:, None] * scm + offs_cn.to(tl.int64)[None, :] * scn)
+            tl.store(c_ptrs, c_t, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
 
     @triton.jit
     def _gather_rows_kernel(
@@ -161,24 +177,11 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k0, k1):
             k_left = K - k * BLOCK_K
-            a_t = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b_t = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            if DOT_F32:
-                a_t = a_t.to(tl.float32)
-                b_t = b_t.to(tl.float32)
-            acc = tl.dot(a_t, b_t, acc, input_precision=INPUT_PRECISION)
+            acc = dot_step(acc, a_ptrs, b_ptrs, offs_k, k_left, INPUT_PRECISION, DOT_F32)
             a_ptrs += a_step
             b_ptrs += BLOCK_K * sbk
 
-        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if SPLIT_K > 1:   # W[j, s] is a row-major [M, N_MAX] float32 plane
-            plane = W + (j * SPLIT_K + tl.program_id(2)).to(tl.int64) * M * N_MAX
-            store_tile(plane, acc, offs_cm, offs_cn, M, N, N_MAX, 1, 1, 0, False)
-        else:
-            c_t = acc.to(C[0].dtype.element_ty)
-            c_ptrs = c_base + (offs_cm.to(tl.int64)[:, None] * scm + offs_cn.to(tl.int64)[None, :] * scn)
-            tl.store(c_ptrs, c_t, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+        _store_gathered(acc, W, c_base, j, pid_m, pid_n, M, N, N_MAX, scm, scn, SPLIT_K, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _gather_cols_kernel(
@@ -234,24 +237,11 @@ if triton is not None:
             b_ptrs = b_base + (b_rows[:, None] * sbk + offs_bn[None, :] * sbn)
             for k in range(k0, k1):
                 k_left = KS[i] - k * BLOCK_K
-                a_t = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                b_t = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-                if DOT_F32:
-                    a_t = a_t.to(tl.float32)
-                    b_t = b_t.to(tl.float32)
-                acc = tl.dot(a_t, b_t, acc, input_precision=INPUT_PRECISION)
+                acc = dot_step(acc, a_ptrs, b_ptrs, offs_k, k_left, INPUT_PRECISION, DOT_F32)
                 a_ptrs += BLOCK_K * SAK[i]
                 b_ptrs += BLOCK_K * sbk
 
-        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if SPLIT_K > 1:   # W[j, s] is a row-major [M, N_MAX] float32 plane
-            plane = W + (j * SPLIT_K + tl.program_id(2)).to(tl.int64) * M * N_MAX
-            store_tile(plane, acc, offs_cm, offs_cn, M, N, N_MAX, 1, 1, 0, False)
-        else:
-            c_t = acc.to(C[0].dtype.element_ty)
-            c_ptrs = c_base + (offs_cm.to(tl.int64)[:, None] * scm + offs_cn.to(tl.int64)[None, :] * scn)
-            tl.store(c_ptrs, c_t, mask=(offs_cm[:, None] < M) & (offs_cn[None, :] < N))
+        _store_gathered(acc, W, c_base, j, pid_m, pid_n, M, N, N_MAX, scm, scn, SPLIT_K, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _gather_split_k_sum_kernel(
@@ -285,7 +275,7 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(C[0].dtype.element_ty), mask=mask)
 
 else:  # pragma: no cover
-    _gather_rows_kernel = _gather_cols_kernel = _gather_split_k_sum_kernel = None
+    _store_gathered = _gather_rows_kernel = _gather_cols_kernel = _gather_split_k_sum_kernel = None
 
 
 # ---------------------------------------------------------------------------

@@ -64,7 +64,7 @@ else:
     from fastpipe.kernels import _triton_compat
 
     _triton_compat.apply()  # Triton <= 3.6's interpreter with numpy >= 2.4 (see _triton_compat)
-    from fastpipe.kernels.tiles import grouped_tile, split_k_share, steps_in_share, store_tile
+    from fastpipe.kernels.tiles import dot_step, grouped_tile, split_k_share, steps_in_share, store_tile
 
 __all__ = [
     "KernelConfig",
@@ -172,12 +172,7 @@ if triton is not None:
                 k1 = tl.cdiv(K[i], BLOCK_K)
             for k in range(k0, k1):
                 k_left = K[i] - k * BLOCK_K
-                a_t = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                b_t = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-                if DOT_F32:
-                    a_t = a_t.to(tl.float32)
-                    b_t = b_t.to(tl.float32)
-                acc = tl.dot(a_t, b_t, acc, input_precision=INPUT_PRECISION)
+                acc = dot_step(acc, a_ptrs, b_ptrs, offs_k, k_left, INPUT_PRECISION, DOT_F32)
                 a_ptrs += BLOCK_K * SAK[i]
                 b_ptrs += BLOCK_K * SBK[i]
 

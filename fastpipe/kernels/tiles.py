@@ -5,6 +5,7 @@ stored (``@triton.jit`` functions, inlined into each kernel that calls them; not
   another on the same column tile, so they share its B tile in L2.
 * :func:`store_tile` -- the masked store of one tile into a plain [M, N] output, or into the column
   chunks of one [n, M, N/n] buffer.
+* :func:`dot_step` -- one K-step of a GEMM loop: the masked A and B tiles, multiplied into the accumulator.
 * :func:`split_k_share` and :func:`steps_in_share` -- split-K over several participants' K-loops: which
   run of a tile's K-steps, counted over every participant in turn, one program sums, and which of one
   participant's steps fall in it.
@@ -50,6 +51,18 @@ if triton is not None:
         tl.store(C + (rows + cols[None, :]), vals, mask=mask)
 
     @triton.jit
+    def dot_step(acc, a_ptrs, b_ptrs, offs_k, k_left, INPUT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+        """acc + A tile @ B tile: one K-step of a GEMM loop, the [BLOCK_M, BLOCK_K] A tile and [BLOCK_K, BLOCK_N]
+        B tile loaded with the K positions past ``k_left`` as zeros (DOT_F32: upcast before tl.dot, the
+        interpreter's bf16; see mm_reduce_scatter_kernel.dot_f32)."""
+        a_t = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b_t = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if DOT_F32:
+            a_t = a_t.to(tl.float32)
+            b_t = b_t.to(tl.float32)
+        return tl.dot(a_t, b_t, acc, input_precision=INPUT_PRECISION)
+
+    @triton.jit
     def split_k_share(K, NPART: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, AXIS: tl.constexpr):
         """(lo, per): the program whose id along grid axis AXIS is s (its share, of SPLIT_K) sums the K-steps
         [lo, lo + per) of a tile, lo = s * per, the steps (BLOCK_K each) counted over the NPART participants'
@@ -85,4 +98,4 @@ if triton is not None:
         return b_base, c_base, N, sbk, sbn, scm, scn
 
 else:  # pragma: no cover
-    grouped_tile = store_tile = split_k_share = steps_in_share = pick_output = None
+    grouped_tile = store_tile = dot_step = split_k_share = steps_in_share = pick_output = None
