@@ -426,8 +426,8 @@ def tuned_table(paths, min_gain: float = 0.03) -> dict:
 
 
 def print_table(rows: list[dict], check: bool) -> None:
-    header = ["kernel", "dim", "M", "N=K", "n", "fused ms (p20-p80)", "unfused ms", "torch.mm ms", "speedup", "fused TF/s",
-              "unfused TF/s", "torch.mm TF/s", "fused % peak", "torch.mm % peak", "fused / torch.mm", "first call ms",
+    header = ["kernel", "dim", "M", "N=K", "n", "fused ms (p20-p80)", "unfused ms", "torch.mm ms", "speedup",
+              "fused TF/s", "unfused TF/s", "torch.mm TF/s", "fused % peak", "torch.mm % peak", "fused / torch.mm", "first call ms",
               "rule: fused?", "targets (M >= 1024)"] + (["check"] if check else [])
     table = []
     pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731

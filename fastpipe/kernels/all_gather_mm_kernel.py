@@ -293,8 +293,7 @@ def launch_gather_rows(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
     _require_launchable(what, outs[0].device)
     ms, K = a[0].shape
     M = outs[0].shape[0]
-    ns = [int(o.shape[1]) for o in outs]
-    nmax = max(ns)
+    nmax = max(int(o.shape[1]) for o in outs)
     if M == 0 or nmax == 0:
         return
     # pick_config sees one output's [M, max N_j] and n: the grid holds n of them (see its docstring)
@@ -307,25 +306,8 @@ def launch_gather_rows(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
                 return
     # (a TMA config that did not launch runs its tiles here; split_k is 1 with tma)
     saks = tuple(x.stride(1) for x in a)
-    shapes = {(nj, bj.stride(), o.stride()) for nj, bj, o in zip(ns, b, outs)}
-    sk, n = cfg.split_k, len(outs)
-    c_args = (tuple(outs), tuple(o.stride(0) for o in outs), tuple(o.stride(1) for o in outs), tuple(ns))
-    # split-K: the shares' float32 [n, split_k, M, max N_j] workspace (from the caching allocator; inside a
-    # captured graph, from the graph's pool)
-    ws = torch.empty(n * sk * M * nmax, dtype=torch.float32, device=outs[0].device) if sk > 1 else outs[0]
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(nmax, cfg.block_n), n, sk)
-    with device_guard(outs[0].device):  # Triton launches on the current device, not the tensors'
-        _gather_rows_kernel[grid](
-            tuple(a), tuple(x.stride(0) for x in a), saks,
-            tuple(b), tuple(x.stride(0) for x in b), tuple(x.stride(1) for x in b),
-            *c_args, ws, ms, K, nmax,
-            NPART=len(a), SPLIT_K=sk, SAME_SAK=len(set(saks)) == 1, SAME_OUT=len(shapes) == 1,
-            ROW_ALIGN=_row_align(a), INPUT_PRECISION=_input_precision(b[0].dtype), DOT_F32=dot_f32(b[0].dtype),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        if sk > 1:
-            _sum_shares(ws, c_args, M, nmax, n, cfg, same_out=len(shapes) == 1)
+    _launch_gather(_gather_rows_kernel, (tuple(a), tuple(x.stride(0) for x in a), saks), (ms, K), b, outs, M, cfg,
+                   SAME_SAK=len(set(saks)) == 1, ROW_ALIGN=_row_align(a))
 
 
 def launch_gather_cols(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[Tensor],
@@ -339,8 +321,7 @@ def launch_gather_cols(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
     _require_launchable(what, outs[0].device)
     M = outs[0].shape[0]
     ks = [int(x.shape[1]) for x in a]
-    ns = [int(o.shape[1]) for o in outs]
-    nmax = max(ns)
+    nmax = max(int(o.shape[1]) for o in outs)
     if M == 0 or nmax == 0:
         return
     device = outs[0].device
@@ -355,24 +336,35 @@ def launch_gather_cols(a: Sequence[Tensor], b: Sequence[Tensor], outs: Sequence[
             return
     # (a TMA config that did not launch runs its tiles here; split_k is 1 with tma)
     koff = [sum(ks[:i]) for i in range(len(a))]
-    shapes = {(nj, bj.stride(), o.stride()) for nj, bj, o in zip(ns, b, outs)}
-    sk, n = cfg.split_k, len(outs)
+    _launch_gather(_gather_cols_kernel, (tuple(a), tuple(x.stride(0) for x in a), tuple(x.stride(1) for x in a),
+                                         tuple(ks), tuple(koff)), (M,), b, outs, M, cfg)
+
+
+def _launch_gather(kernel, shard_args: tuple, sizes: tuple, b: Sequence[Tensor], outs: Sequence[Tensor], M: int,
+                   cfg: KernelConfig, **constexprs) -> None:
+    """One launch of a gather kernel (its arguments: ``shard_args``, the b[j] and out_j tuples, the workspace,
+    ``sizes``, N_MAX; its grid: the tiles of an [M, max N_j] output x the n outputs x split_k), then, with
+    split-K, the one launch that adds every output's shares."""
+    ns = [int(o.shape[1]) for o in outs]
+    nmax, sk, n = max(ns), cfg.split_k, len(outs)
+    same_out = len({(nj, bj.stride(), o.stride()) for nj, bj, o in zip(ns, b, outs)}) == 1
     c_args = (tuple(outs), tuple(o.stride(0) for o in outs), tuple(o.stride(1) for o in outs), tuple(ns))
-    # split-K: the shares' float32 [n, split_k, M, max N_j] workspace, as gather_rows'
+    device = outs[0].device
+    # split-K: the shares' float32 [n, split_k, M, max N_j] workspace (from the caching allocator; inside a
+    # captured graph, from the graph's pool)
     ws = torch.empty(n * sk * M * nmax, dtype=torch.float32, device=device) if sk > 1 else outs[0]
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(nmax, cfg.block_n), n, sk)
     with device_guard(device):  # Triton launches on the current device, not the tensors'
-        _gather_cols_kernel[grid](
-            tuple(a), tuple(x.stride(0) for x in a), tuple(x.stride(1) for x in a), tuple(ks), tuple(koff),
-            tuple(b), tuple(x.stride(0) for x in b), tuple(x.stride(1) for x in b),
-            *c_args, ws, M, nmax,
-            NPART=len(a), SPLIT_K=sk, SAME_OUT=len(shapes) == 1,
+        kernel[grid](
+            *shard_args, tuple(b), tuple(x.stride(0) for x in b), tuple(x.stride(1) for x in b),
+            *c_args, ws, *sizes, nmax,
+            NPART=len(b), SPLIT_K=sk, SAME_OUT=same_out,
             INPUT_PRECISION=_input_precision(b[0].dtype), DOT_F32=dot_f32(b[0].dtype),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
         )
         if sk > 1:
-            _sum_shares(ws, c_args, M, nmax, n, cfg, same_out=len(shapes) == 1)
+            _sum_shares(ws, c_args, M, nmax, n, cfg, same_out=same_out)
 
 
 def _sum_shares(ws: Tensor, c_args: tuple, M: int, nmax: int, n: int, cfg: KernelConfig, *, same_out: bool) -> None:

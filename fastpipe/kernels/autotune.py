@@ -207,14 +207,13 @@ def _same_outputs(got, want, dtype, k_total: int) -> bool:
 def merged_table(base: dict | None, results: list[Tuned], min_gain: float = MIN_GAIN) -> tuple[dict, int]:
     """(fastpipe.kernels.tuned's table: base's entries, less those of the keys tuned now, plus the kept
     results, number kept). base: a table document (validated by the caller) or None."""
-    from fastpipe.kernels.tuned import with_entries
+    from fastpipe.kernels.tuned import entry_key, with_entries
 
-    tuned_now = {(r.launcher, r.device, r.call.dtype, r.N, r.K, r.n, r.M) for r in results}
-    kept = [r for r in results if r.kept(min_gain)]
-    new = [{"launcher": r.launcher, "device": r.device, "dtype": r.call.dtype, "M": r.M, "N": r.N, "K": r.K,
-            "n": r.n, "config": dataclasses.asdict(r.best), "ms": round(r.ms, 5),
-            "heuristic_ms": round(r.heuristic_ms, 5)} for r in kept]
-    return with_entries(base, new, tuned_now), len(kept)
+    entries = [{"launcher": r.launcher, "device": r.device, "dtype": r.call.dtype, "M": r.M, "N": r.N, "K": r.K,
+                "n": r.n, "config": dataclasses.asdict(r.best), "ms": round(r.ms, 5),
+                "heuristic_ms": round(r.heuristic_ms, 5)} for r in results]
+    kept = [e for e, r in zip(entries, results) if r.kept(min_gain)]
+    return with_entries(base, kept, {entry_key(e) for e in entries}), len(kept)
 
 
 def with_fusion_points(doc: dict, points: list[dict]) -> dict:

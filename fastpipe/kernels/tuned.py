@@ -11,9 +11,10 @@ A table is JSON written by ``bench/bench_fused_kernels.py --write-tuned`` from a
 
 launcher: the kernel launched, ``mm_sum`` (matmul_reduce_scatter), ``gather_rows`` (all_gather_matmul
 with dim 0) or ``gather_cols`` (all_gather_matmul with dim 1; before 2026-11-26 these calls ran on
-mm_sum, one launch per output, and were tuned as mm_sum); M, N, K, n: what that launcher sees (rows,
-columns -- the widest output's, for the gather launchers, which compute the n outputs in one launch --,
-K -- mm_sum: the longest participant's; the gather launchers: the gathered product's --, participants). An entry applies to the GPU whose name it records (a config
+mm_sum, one launch per output, and were tuned as mm_sum); M, N, K, n: what that launcher sees: rows;
+columns (the gather launchers, which compute the n outputs in one launch: the widest output's); K
+(mm_sum: the longest participant's; the gather launchers: the gathered product's); participants.
+An entry applies to the GPU whose name it records (a config
 tuned on one GPU says nothing of another's), the same dtype, N, K and n, and to calls whose M is within
 a factor of two of its own (M/2 < call's M <= 2M; the nearest entry wins, a tie the larger), and above
 the largest measured M, to every M -- but a split-K config (``config.split_k`` > 1) only within its
