@@ -4,8 +4,9 @@
                                   [--rounds 5] [--quick] [--json out.json]
 
 Three sections, each printed as a markdown table; --json writes every row of every section run,
-with bench.machine.machine_info(), after EACH section (tmp file + os.replace), so a run cut off at
-a time limit keeps the sections it finished.
+with bench.machine.machine_info(), after EACH section and, in memory and pool, after each row (tmp
+file + os.replace; a section not yet finished has "partial": true), so a run cut off at a time
+limit keeps the rows it finished.
 
 load    A checkpoint of --mb MiB (16 matrices, --dtype) and a pipeline whose constants are row
         slices covering all of it over 2 slots (bench.pipelines.write_load_pipeline, as the
@@ -452,7 +453,7 @@ def measure_run(path: Path, shape: str, label: str, kw: dict, device: torch.devi
     return row
 
 
-def section_memory(args, device: torch.device, models: Models) -> list[dict]:
+def section_memory(args, device: torch.device, models: Models, progress=lambda rows: None) -> list[dict]:
     cuda = is_cuda(device)
     if cuda:
         variants = [("cuda, cuda_graph=True", dict(processor="cuda", cuda_graph=True, compile=False)),
@@ -468,6 +469,7 @@ def section_memory(args, device: torch.device, models: Models) -> list[dict]:
                 rows.append(measure_run(path, shape, label, kw, device) if cuda else measure_plan(path, shape, label, kw))
             except Exception as e:  # noqa: BLE001 - recorded, the other rows still run
                 rows.append(error_row("memory", e, shape=shape, processor=label))
+            progress(rows)
     model = f"Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, tp=2 on one device"
     ok = [r for r in rows if "error" not in r]
     if cuda:
@@ -565,7 +567,7 @@ def measure_pool(config: str, paths: dict[int, Path], shared: bool, args, device
     return row
 
 
-def section_pool(args, device: torch.device, models: Models) -> list[dict]:
+def section_pool(args, device: torch.device, models: Models, progress=lambda rows: None) -> list[dict]:
     if not is_cuda(device):
         msg = "needs a GPU: CUDA-graph pools exist only on CUDA devices (nothing to measure on the CPU)"
         print(f"\n### pool: graph memory of 3 buckets vs one\n\n{msg}")
@@ -582,6 +584,7 @@ def section_pool(args, device: torch.device, models: Models) -> list[dict]:
             rows.append(measure_pool(config, ps, shared, args, device))
         except Exception as e:  # noqa: BLE001 - recorded, the other configurations still run
             rows.append(error_row("pool", e, config=config))
+        progress(rows)
     one = rows[0] if "error" not in rows[0] else None
     for r in rows:
         if "error" in r:
@@ -622,9 +625,11 @@ def parse_args(argv):
     ap.add_argument("--batches", default="1,2,4", help="pool: the buckets' batch sizes")
     ap.add_argument("--compile", default="on", choices=("on", "off"),
                     help="region processor sessions: torch.compile (memory, pool)")
-    ap.add_argument("--tmp", default=None, help="folder for the checkpoints (default: the system's temp folder)")
+    ap.add_argument("--tmp", default=None, help="folder for the checkpoints, made if absent (default: the system's "
+                    "temp folder)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, few rounds: a smoke run")
-    ap.add_argument("--json", default=None, help="write every row here (after each section)")
+    ap.add_argument("--json", default=None, help="write every row here (after each row of memory and pool, and "
+                    "after each section)")
     args = ap.parse_args(argv)
     q = args.quick
     for name, full, quick in (("mb", 1536, 16), ("rounds", 5, 2), ("layers", 4, 2), ("hidden", 1024, 64),
@@ -660,6 +665,8 @@ def main(argv=None) -> int:
     failed = False
     if args.json:
         write_json(args.json, doc)                     # the machine and the arguments, before any section
+    if args.tmp:
+        Path(args.tmp).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.tmp, prefix="report_memory_") as tmp:
         tmp = Path(tmp)
         models = Models(args, tmp)
@@ -667,13 +674,18 @@ def main(argv=None) -> int:
             if name not in args.sections:
                 continue
             t = time.perf_counter()
+
+            def progress(rows, name=name, t=t):     # a section's rows so far, "partial" until it ends
+                if args.json:
+                    doc["sections"][name] = {"rows": list(rows), "seconds": time.perf_counter() - t, "partial": True}
+                    write_json(args.json, {**doc, "rows": doc["rows"] + list(rows)})
             try:
                 if name == "load":
                     rows = section_load(args, device, tmp)
                 elif name == "memory":
-                    rows = section_memory(args, device, models)
+                    rows = section_memory(args, device, models, progress)
                 else:
-                    rows = section_pool(args, device, models)
+                    rows = section_pool(args, device, models, progress)
             except Exception as e:  # noqa: BLE001 - recorded; the next section still runs
                 rows = [error_row(name, e)]
             failed = failed or any("error" in r for r in rows)

@@ -42,12 +42,13 @@
 #   bash scripts/gpu_check.sh serving --sections 1       # issue 16, table 2: bench/report_serving.py
 #   bash scripts/gpu_check.sh serving --sections 2,3,4   # -> serving.json
 #   bash scripts/gpu_check.sh memory --sections load,memory   # issue 16, table 4: bench/report_memory.py
-#   bash scripts/gpu_check.sh memory --sections pool          # -> memory.json
+#   bash scripts/gpu_check.sh memory --sections pool          # -> memory.json (written after each row)
 #   bash scripts/gpu_check.sh bench       # the pytest-benchmark report (bench/report.py) -> bench.json
 # Every stage passes further arguments on (to pytest, or to the report script).
 #
 # Several stages in one call, one after another, their arguments split at each lone '+':
-#   GPU_CHECK_CALL_S=540 bash scripts/gpu_check.sh tests+fused+tune          # (run's timeout_s 600)
+#   GPU_CHECK_CALL_S=540 bash scripts/gpu_check.sh tests+fused+runtime       # (run's timeout_s 600)
+#   GPU_CHECK_CALL_S=540 bash scripts/gpu_check.sh tune+shapes
 #   bash scripts/gpu_check.sh fused --nk 8192 + runtime --batches 1
 # One call saves what each further call costs: the gaps between calls while the session reads the
 # last one's results, which count as device time (and past 30 s idle the machine goes back, and the
@@ -59,8 +60,9 @@
 # Where the stages leave more than 8 files, the logs are packed into logs.tar.gz (then, if need be, all
 # but summary.txt into all.tar.gz).
 #
-# A device session runs `tests` first (issue 15: correctness before numbers). With a green run and
-# minutes left, the next stage of issue 16 in the order above; later sessions go on from there.
+# A device session runs `tests` first (issue 15: correctness before numbers), then, in the same call,
+# `fused` and `runtime` (table 1, never run on a GPU); BENCHMARKS.md's plan says what comes next and
+# what a second, short call on the still-warm machine runs. Later sessions go on from there.
 # The machine has python3 with torch, triton, safetensors, pytest, pytest-benchmark and no network
 # (its image also had transformers, hypothesis, pytest-xdist and pytest-timeout on 2026-11-17; each
 # is checked here). Tests needing what is absent are left out and listed in $OUT/summary.txt. With

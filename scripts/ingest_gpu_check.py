@@ -13,10 +13,16 @@ as BENCHMARKS.md's plan says to, in one step:
 - ``tuned_configs.json`` (the `tune` stage) -> merged into ``fastpipe/kernels/tuned_configs.json``: its entries
   replace those of the same GPU, launcher, dtype and shape; the others (another GPU's) stay.
 - ``shapes.json`` (the `shapes` stage) -> ``bench/measured/shapes_<gpu>_<date>.json``.
+- ``runtime.json``, ``serving.json``, ``memory.json`` (issue 16's tables 1, 2 and 4) ->
+  ``bench/measured/<stage>_<gpu>_<date>.json``, with a line per case or section: table 1's verdicts against its
+  targets, the cases its budget left, the fastpipe rows that failed; tables 2 and 4's sections, their rows and
+  errors. The tables themselves are in the stage's log (``<stage>.log``, in logs.tar.gz) as BENCHMARKS.md takes
+  them.
 - ``summary.txt``: its count lines are printed, for BENCHMARKS.md's "The suite on a GPU".
 
 Nothing else is touched: the BENCHMARKS.md prose and the tests that quote a GPU's numbers are a person's to
-write. Exit 2 where the folder holds none of these, or a file is not what its stage writes.
+write. Exit 2 where the folder holds none of these, or a file is not what its stage writes; then nothing is
+written (every file is read and checked before the first write).
 """
 from __future__ import annotations
 
@@ -79,7 +85,8 @@ def ingest(folder: Path, root: Path, dry_run: bool) -> list[str]:
     """What was (or, dry, would be) written, a line each; ValueError where a file is not its stage's."""
     from fastpipe.kernels.tuned import entry_key, parse_table, with_entries
 
-    lines = []
+    lines: list[str] = []
+    writes: list[tuple[Path, str]] = []          # (where, what): written at the end, all or nothing
     measured_dir = root / "bench" / "measured"
     with tempfile.TemporaryDirectory(prefix="fastpipe-ingest-") as tmp:
         out = unpacked(folder, Path(tmp))
@@ -103,9 +110,7 @@ def ingest(folder: Path, root: Path, dry_run: bool) -> list[str]:
                          f"{machine['date']})")
             lines.append(f"{rule.relative_to(root)}: {len(table['points'])} points from "
                          f"{', '.join(table['sources'])}")
-            if not dry_run:
-                shutil.copyfile(fused, dest)
-                write_text(rule, dump_table(table))
+            writes += [(dest, fused.read_text()), (rule, dump_table(table))]
         tuned_new = out / "tuned_configs.json"
         if tuned_new.exists():
             new = json.loads(tuned_new.read_text())
@@ -117,8 +122,8 @@ def ingest(folder: Path, root: Path, dry_run: bool) -> list[str]:
             parse_table(doc, str(shipped))
             lines.append(f"tuned_configs.json -> {shipped.relative_to(root)}: {len(new['entries'])} new entries, "
                          f"{len(doc['entries'])} in all")
-            if not dry_run and new["entries"]:
-                write_text(shipped, json.dumps(doc, indent=1) + "\n")
+            if new["entries"]:
+                writes.append((shipped, json.dumps(doc, indent=1) + "\n"))
         shapes = out / "shapes.json"
         if shapes.exists():
             doc = json.loads(shapes.read_text())
@@ -128,12 +133,76 @@ def ingest(folder: Path, root: Path, dry_run: bool) -> list[str]:
                                  + str(doc)[:80])
             dest = free_name(measured_dir, f"shapes_{gpu_slug(machine['device'])}_{machine.get('date', 'undated')}")
             lines.append(f"shapes.json -> {dest.relative_to(root)} ({len(doc['points'])} points)")
-            if not dry_run:
-                shutil.copyfile(shapes, dest)
+            writes.append((dest, shapes.read_text()))
+        for stage, describe in REPORTS.items():
+            path = out / f"{stage}.json"
+            if not path.exists():
+                continue
+            doc = json.loads(path.read_text())
+            machine = (doc.get("machine") or {}) if isinstance(doc, dict) else {}
+            if not machine.get("device") or not machine.get("date"):
+                raise ValueError(f"{stage}.json: expected bench/report_{stage}.py's result (machine.device, "
+                                 f"machine.date), found {str(doc)[:80]}")
+            said = describe(doc)
+            dest = free_name(measured_dir, f"{stage}_{gpu_slug(machine['device'])}_{machine['date']}")
+            lines.append(f"{stage}.json -> {dest.relative_to(root)} ({machine['device']} {machine['date']})")
+            lines += [f"{stage}.json: {ln}" for ln in said]
+            writes.append((dest, path.read_text()))
     if not any("->" in ln for ln in lines):
-        raise ValueError(f"{folder}: expected fused.json, tuned_configs.json or shapes.json (or archives holding "
-                         "them), found none")
+        raise ValueError(f"{folder}: expected fused.json, tuned_configs.json, shapes.json, runtime.json, serving.json "
+                         "or memory.json (or archives holding them), found none")
+    if not dry_run:                     # only once every file was read and checked: a bad one writes nothing
+        for dest, text in writes:
+            write_text(dest, text)
     return lines
+
+
+def runtime_lines(doc: dict) -> list[str]:
+    """Table 1 (bench/report_runtime.py): per case its verdicts, then the cases not run and the rows that failed."""
+    from bench.report_runtime import verdict_lines
+
+    if not isinstance(doc.get("cases"), list):
+        raise ValueError(f"runtime.json: expected report_runtime's cases (a list), found {str(doc)[:80]}")
+    lines = []
+    for case in doc["cases"]:
+        said = verdict_lines(case.get("verdicts") or {}) or ["no verdict (a baseline row is missing)"]
+        lines += [f"{case['title']}: {ln}" for ln in said]
+    if doc.get("not_run"):
+        lines.append(f"not run (the budget): {', '.join(doc['not_run'])}")
+    if doc.get("failed"):
+        lines.append(f"FAILED: {'; '.join(doc['failed'])}")
+    if "failed" not in doc:
+        lines.append("the run did not finish (no 'failed' list): the cases above are those it wrote")
+    return lines
+
+
+def sections_lines(doc: dict, stage: str) -> list[str]:
+    """Tables 2 and 4 (bench/report_serving.py, bench/report_memory.py): a line per section, its rows and errors."""
+    sections = doc.get("sections")
+    if not isinstance(sections, dict):
+        raise ValueError(f"{stage}.json: expected report_{stage}'s sections (an object), found {str(doc)[:80]}")
+    lines = []
+    for key, sec in sections.items():
+        rows = sec.get("rows") or []
+        errors = [r["error"] for r in rows if isinstance(r, dict) and r.get("error")]
+        errors += [f"{r.get('variant', '?')}: tokens {r['tokens']}" for r in rows   # table 2's tokens vs the reference
+                   if isinstance(r, dict) and str(r.get("tokens", "")).startswith("DIFFER")]
+        if sec.get("error"):
+            errors.insert(0, sec["error"])
+        what = f"section {key}" + (f" ({sec['title']})" if sec.get("title") and sec["title"] != f"section {key}"
+                                   else "")
+        lines.append(f"{what}: {len(rows)} rows" + (", unfinished" if sec.get("partial") else "")
+                     + (f", errors: {'; '.join(errors)}" if errors else ""))
+    if doc.get("failed_sections"):
+        lines.append(f"FAILED sections: {', '.join(map(str, doc['failed_sections']))}")
+    if doc.get("status", "done") != "done":
+        lines.append(f"the run did not finish (status {doc['status']!r}): the sections above are those it wrote")
+    return lines or ["no section finished"]
+
+
+REPORTS = {"runtime": runtime_lines,
+           "serving": lambda doc: sections_lines(doc, "serving"),
+           "memory": lambda doc: sections_lines(doc, "memory")}
 
 
 def main(argv=None) -> int:

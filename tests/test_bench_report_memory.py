@@ -48,3 +48,24 @@ def test_memory_plan_rows_on_cpu(tmp_path):
         assert r["predicted_peak_bytes"] > 0 and r["constant_bytes"] > 0 and r["activation_bytes"] > 0
         assert r["predicted_peak_bytes"] == r["constant_bytes"] + r["activation_bytes"]
         assert r["measured"] is None and "needs a GPU" in r["note"]
+
+
+def test_memory_rows_are_written_as_they_come_and_tmp_is_made(tmp_path, monkeypatch):
+    """A run cut at its time limit keeps the memory section's finished rows: the JSON is written after each row
+    ("partial" until the section ends); --tmp names a folder that need not exist yet."""
+    pytest.importorskip("transformers")
+    import bench.report_memory as rm
+
+    written = []
+    real = rm.write_json
+    monkeypatch.setattr(rm, "write_json", lambda path, doc: (written.append(json.loads(json.dumps(doc))),
+                                                              real(path, doc)))
+    out, tmp = tmp_path / "rows.json", tmp_path / "not" / "yet"
+    assert rm.main(["--quick", "--device", "cpu", "--sections", "memory", "--tmp", str(tmp), "--json", str(out)]) == 0
+    assert tmp.is_dir() and not list(tmp.iterdir())            # made, and the run's own folder removed after
+    partial = [d["sections"]["memory"] for d in written if d["sections"].get("memory", {}).get("partial")]
+    assert [len(s["rows"]) for s in partial] == [1, 2, 3, 4]     # 2 shapes x (cpu, region), one write each
+    final = json.loads(out.read_text())
+    assert "partial" not in final["sections"]["memory"] and final["rows"] == final["sections"]["memory"]["rows"]
+    assert partial[-1]["rows"] == final["rows"]
+    assert [d["rows"] for d in written if d["sections"].get("memory", {}).get("partial")][1] == final["rows"][:2]

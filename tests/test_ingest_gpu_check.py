@@ -110,3 +110,61 @@ def test_ingest_refuses_a_folder_without_results_and_a_bad_file(tmp_path):
     r = _run(empty, "--root", root)
     assert r.returncode == 2 and "fused.json: expected bench_fused_kernels' result" in r.stderr
     assert sorted(p.name for p in (root / "bench" / "measured").iterdir()) == [H200.name]
+
+
+def _report_docs():
+    """What report_runtime/serving/memory write, in brief: table 1 cut by its budget after a decode case, table 2 with a
+    section whose tokens differ, table 4 with an error row."""
+    machine = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-01", "torch": "2.11.0+cu130"}
+    runtime = {"machine": machine, "args": {}, "not_run": ["decode batch 8"], "failed": [], "cases": [
+        {"title": "decode step, batch 1, 1 token over 128 cached", "step": "decode", "batch": 1, "rows": [],
+         "verdicts": {"replay_vs_eager_streams": 4.2, "replay_target_met": True,
+                      "best_fastpipe": "fastpipe region compiled + replay",
+                      "best_unsplit_compiled": "unsplit compiled, reduce-overhead",
+                      "best_vs_unsplit_compiled": 1.3, "unsplit_target_met": False}}]}
+    serving = {"machine": machine, "status": "done", "failed_sections": [], "sections": {
+        "1": {"title": "greedy decode, batch 1", "rows": [
+            {"variant": "transformers generate, static cache, eager", "tokens": "reference"},
+            {"variant": "fastpipe engine, batch 1, tp=2 set", "tokens": "DIFFER at token 7"}]}}}
+    memory = {"machine": machine, "sections": {"load": {"rows": [{"mode": "cold", "ratio": 0.9}]},
+                                               "pool": {"rows": [{"section": "pool", "error": "RuntimeError: boom"}]}}}
+    return {"runtime": runtime, "serving": serving, "memory": memory}
+
+
+def test_ingest_copies_tables_1_2_and_4_and_says_their_verdicts(tmp_path):
+    root = _repo(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    docs = _report_docs()
+    for stage, doc in docs.items():
+        (out / f"{stage}.json").write_text(json.dumps(doc))
+    done = _run(out, "--root", root)
+    assert done.returncode == 0, done.stderr
+    for stage, doc in docs.items():
+        assert json.loads((root / "bench" / "measured" / f"{stage}_h100_2026-12-01.json").read_text()) == doc
+    lines = done.stdout.splitlines()
+    assert "runtime.json: decode step, batch 1, 1 token over 128 cached: graph replay vs eager streams: 4.20x " \
+           "faster (target >= 3x at batch 1: met)" in lines
+    assert any(ln.startswith("runtime.json: decode step, batch 1") and "1.30x (target <= 1.1x: NOT met)" in ln
+               for ln in lines)
+    assert "runtime.json: not run (the budget): decode batch 8" in lines
+    assert "serving.json: section 1 (greedy decode, batch 1): 2 rows, errors: fastpipe engine, batch 1, tp=2 set: " \
+           "tokens DIFFER at token 7" in lines
+    assert "memory.json: section load: 1 rows" in lines
+    assert "memory.json: section pool: 1 rows, errors: RuntimeError: boom" in lines
+    # a run cut off before its end says so; a file that is not its stage's is refused and nothing is written
+    del docs["runtime"]["failed"]
+    docs["serving"]["status"] = "running"
+    for stage in ("runtime", "serving"):
+        (out / f"{stage}.json").write_text(json.dumps(docs[stage]))
+    dry = _run(out, "--root", root, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "(dry run) runtime.json: the run did not finish (no 'failed' list): the cases above are those it wrote" \
+        in dry.stdout.splitlines()
+    assert "(dry run) serving.json: the run did not finish (status 'running'): the sections above are those it " \
+           "wrote" in dry.stdout.splitlines()
+    (out / "memory.json").write_text(json.dumps({"machine": docs["memory"]["machine"], "rows": []}))
+    before = sorted(p.name for p in (root / "bench" / "measured").iterdir())
+    bad = _run(out, "--root", root)
+    assert bad.returncode == 2 and "memory.json: expected report_memory's sections (an object)" in bad.stderr
+    assert sorted(p.name for p in (root / "bench" / "measured").iterdir()) == before

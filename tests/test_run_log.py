@@ -369,3 +369,29 @@ def test_gpu_check_refuses_a_bad_chain_before_any_stage(tmp_path, stages, messag
     proc = _gpu_check(tmp_path, stages)
     assert proc.returncode == 2 and proc.stdout.strip() == f"gpu_check.sh: {message}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.txt"]
+
+
+def test_gpu_check_runtime_and_memory_stages_then_ingest(tmp_path):
+    """The first call's third stage (runtime, table 1) and the second call's memory stage, chained, on CPU (--quick),
+    then scripts/ingest_gpu_check.py on their $OUT: runtime.json and memory.json come back, and ingesting them
+    says table 1's verdicts and table 4's sections."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _gpu_check(out, "runtime", "--device", "cpu", "--quick", "--cases", "decode", "+", "memory", "--quick",
+                      "--device", "cpu", "--sections", "memory", "--tmp", str(tmp_path / "ckpt"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr                # red: no CUDA here
+    summary = (out / "summary.txt").read_text()
+    assert re.search(r"^runtime: rc=0 in \d+ s of \d+ \(\(total \d+ s\)\)$", summary, re.M), summary
+    assert re.search(r"^memory: rc=0 in \d+ s of \d+ ", summary, re.M), summary
+    runtime = json.loads((out / "runtime.json").read_text())
+    assert runtime["args"]["budget_s"] > 0 and runtime["failed"] == [] and len(runtime["cases"]) == 1
+    ingest = subprocess.run([sys.executable, str(ROOT / "scripts" / "ingest_gpu_check.py"), str(out), "--dry-run"],
+                            capture_output=True, text=True, timeout=120)
+    assert ingest.returncode == 0, ingest.stderr
+    date = runtime["machine"]["date"]
+    lines = ingest.stdout.splitlines()
+    assert f"(dry run) runtime.json -> bench/measured/runtime_cpu_{date}.json (cpu {date})" in lines
+    assert any(ln.startswith("(dry run) runtime.json: decode step, batch 1, 1 token over 16 cached: best fastpipe ")
+               and "(target <= 1.1x: " in ln for ln in lines), lines
+    assert "(dry run) memory.json: section memory: 4 rows" in lines
