@@ -45,10 +45,14 @@ the table gives the median and p10/p90 of --repeat samples.
 
 Targets (issue 16): at batch 1, graph replay >= 3x faster than eager streams; the best fastpipe path
 within 1.1x of the best unsplit compiled model (default or reduce-overhead). Each case's verdicts
-are printed under its table and written to --json (rewritten after every case, so a run stopped at a
-time limit keeps the cases it finished). Cases run batch by batch (decode 1, prefill 1, decode 8,
-...), so a cut-off run has the batch-1 targets first. --budget-s starts no case that would end past
-that many seconds, judged by the longest case so far, and says which cases it left.
+are printed under its table and written to --json, rewritten after every case and after each row's
+set-up (compile, capture, check) within one (that case marked "partial": "set-up"), so a run stopped at
+a time limit keeps what it did. Interrupted (SIGINT, as scripts/gpu_check.sh stops a stage at its
+limit), it writes the case in progress with the samples each row has so far ("partial":
+"interrupted", and "interrupted" says where) and exits with 130. Cases run batch by batch (decode 1,
+prefill 1, decode 8, ...), so a cut-off run has the batch-1 targets first. --budget-s starts no case
+that would end past that many seconds, judged by the longest case so far, and says which cases it
+left.
 """
 from __future__ import annotations
 
@@ -181,8 +185,10 @@ def tolerance(ref, own_err: float) -> float:
     return F32_TOLERANCE * ref.abs().max().item() + 2 * own_err
 
 
-def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path, model32=None) -> list[Row]:
-    """One case's rows; model32: the unsplit model in float32 (the reference; None: model is float32)."""
+def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path, model32=None,
+             rows: list[Row] | None = None, progress=lambda: None) -> list[Row]:
+    """One case's rows; model32: the unsplit model in float32 (the reference; None: model is float32). rows: the
+    list to fill (the caller's, so an interrupted case keeps the rows it set up); progress(): after each row's set-up."""
     import torch
 
     import fastpipe
@@ -222,7 +228,7 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
     pipeline = read_pipeline(path)              # its slots, and its inputs: sliced per slot, on the device
     slots = list(pipeline.devices)
     inputs = {n: t.to(dev) for n, t in to_pipeline_inputs(pipeline, flatten_args(host)).items()}
-    rows: list[Row] = []
+    rows = [] if rows is None else rows
     variants = CUDA_VARIANTS if dev.type == "cuda" else CPU_VARIANTS
     for label, kw in variants:
         row = Row(label)
@@ -247,11 +253,13 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
         except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table, not the end of the run
             row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             traceback.print_exc()
-    rows += unsplit_rows(args, model, ids, past, check, timed, dev)
+        progress()
+    unsplit_rows(args, model, ids, past, check, timed, dev, rows, progress)
     return rows
 
 
-def unsplit_rows(args, model, ids, past, check, timed, dev) -> list[Row]:
+def unsplit_rows(args, model, ids, past, check, timed, dev, rows: list[Row], progress=lambda: None) -> None:
+    """The unsplit model's rows, appended to rows (progress() after each)."""
     import torch
 
     from fastpipe.torch_compat import cudagraph_skips, unique_graphs
@@ -262,7 +270,10 @@ def unsplit_rows(args, model, ids, past, check, timed, dev) -> list[Row]:
                 return fn()
         return call
 
-    rows = [Row("unsplit eager", fn=timed(inference(lambda: hf_call(model, ids, past))))]
+    eager = Row("unsplit eager", fn=timed(inference(lambda: hf_call(model, ids, past))))
+    eager.check = check(eager.fn())
+    rows.append(eager)
+    progress()
     modes = [("unsplit compiled", {})]
     if dev.type == "cuda":
         modes.append(("unsplit compiled, reduce-overhead", {"mode": "reduce-overhead"}))
@@ -290,8 +301,7 @@ def unsplit_rows(args, model, ids, past, check, timed, dev) -> list[Row]:
         except Exception as e:  # noqa: BLE001
             row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             traceback.print_exc()
-    rows[0].check = check(rows[0].fn())
-    return rows
+        progress()
 
 
 def median(rows: list[Row], variant: str) -> float | None:
@@ -359,6 +369,15 @@ def write_json(path: str, doc: dict) -> None:
     write_text(path, json.dumps(doc, indent=1))
 
 
+def close_rows(rows: list[Row]) -> None:
+    """Free a case's sessions (their threads, their device memory)."""
+    for r in rows:
+        sess = getattr(r, "session", None)
+        if sess is not None:
+            sess.close()
+        r.fn = r.session = None
+
+
 def case_order(steps: list[str], batches: list[int]) -> list[tuple[str, int]]:
     """Batch by batch, each batch's steps in turn: a run cut short has the smallest batch's (batch 1:
     the replay target's) cases first."""
@@ -412,8 +431,27 @@ def main(argv=None) -> int:
             t_case = time.perf_counter()
             title = (f"decode step, batch {b}, 1 token over {args.past} cached" if step == "decode"
                      else f"prefill step, batch {b}, {args.prefill_len} tokens")
-            rows = run_case(args, step, b, folder, model, store, Path(tmp) / f"{step}{b}", model32)
-            measure(rows, args.repeat, args.warmup, args.sample_ms)
+            rows: list[Row] = []
+
+            def case_doc(partial=None, title=title, step=step, b=b, rows=rows):   # the case as far as it got
+                return {"title": title, "step": step, "batch": b, "rows": [row_json(r) for r in rows],
+                        "verdicts": verdicts(rows, b), **({"partial": partial} if partial else {})}
+
+            def progress(case_doc=case_doc):     # after each row's set-up: a cut-off run keeps them
+                if args.json:
+                    write_json(args.json, {**doc, "cases": doc["cases"] + [case_doc("set-up")]})
+            try:
+                run_case(args, step, b, folder, model, store, Path(tmp) / f"{step}{b}", model32, rows, progress)
+                measure(rows, args.repeat, args.warmup, args.sample_ms)
+            except KeyboardInterrupt:            # gpu_check's stage limit (SIGINT): keep what this case has
+                timed = sum(bool(r.samples) for r in rows)
+                doc["interrupted"] = (f"{title}: interrupted after {time.perf_counter() - t_case:.0f} s, with "
+                                      f"{len(rows)} rows set up and {timed} timed (each row's samples so far)")
+                doc["cases"].append(case_doc("interrupted"))
+                doc["not_run"] = [f"{s} batch {bb}" for s, bb in todo[i + 1:]]
+                print(f"\n### {title} (INTERRUPTED)\n\n" + "\n".join(table(rows)) + f"\n\n{doc['interrupted']}")
+                close_rows(rows)
+                break
             v = verdicts(rows, b)
             print(f"\n### {title}\n\n" + "\n".join(table(rows)))
             for line in verdict_lines(v):
@@ -426,15 +464,10 @@ def main(argv=None) -> int:
             print(f"({time.perf_counter() - t_start:.0f} s so far)", flush=True)
             failed += [f"{title}: {r.variant}" for r in rows if r.variant.startswith("fastpipe")
                        and (r.error or r.check.startswith("MISMATCH"))]
-            doc["cases"].append({"title": title, "step": step, "batch": b, "rows": [row_json(r) for r in rows],
-                                 "verdicts": v})
+            doc["cases"].append(case_doc())
             if args.json:
                 write_json(args.json, doc)
-            for r in rows:                 # free this case's sessions (and their device memory)
-                sess = getattr(r, "session", None)
-                if sess is not None:
-                    sess.close()
-                r.fn = r.session = None
+            close_rows(rows)
             del rows
             gc.collect()
             if args.device == "cuda":
@@ -446,7 +479,7 @@ def main(argv=None) -> int:
     print(f"\n(total {time.perf_counter() - t_start:.0f} s)")
     if failed:
         print("fastpipe rows that failed or mismatched: " + "; ".join(failed))
-    return 1 if failed else 0
+    return 130 if "interrupted" in doc else 1 if failed else 0
 
 
 if __name__ == "__main__":

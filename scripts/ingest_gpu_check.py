@@ -166,12 +166,15 @@ def runtime_lines(doc: dict) -> list[str]:
     lines = []
     for case in doc["cases"]:
         said = verdict_lines(case.get("verdicts") or {}) or ["no verdict (a baseline row is missing)"]
-        lines += [f"{case['title']}: {ln}" for ln in said]
+        title = case["title"] + (f" ({case['partial']}, {len(case['rows'])} rows)" if case.get("partial") else "")
+        lines += [f"{title}: {ln}" for ln in said]
+    if doc.get("interrupted"):
+        lines.append(f"INTERRUPTED: {doc['interrupted']}")
     if doc.get("not_run"):
         lines.append(f"not run (the budget): {', '.join(doc['not_run'])}")
     if doc.get("failed"):
         lines.append(f"FAILED: {'; '.join(doc['failed'])}")
-    if "failed" not in doc:
+    if "failed" not in doc and not doc.get("interrupted"):
         lines.append("the run did not finish (no 'failed' list): the cases above are those it wrote")
     return lines
 

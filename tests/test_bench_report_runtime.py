@@ -79,3 +79,43 @@ def test_cases_run_batch_by_batch_and_stop_before_one_that_would_overrun():
     assert case_order(["decode", "prefill"], [8, 1]) == [("decode", 1), ("prefill", 1), ("decode", 8), ("prefill", 8)]
     assert not over_budget(300.0, 150.0, 480.0) and over_budget(340.0, 150.0, 480.0)
     assert not over_budget(1e6, 1e6, 0.0)                                # no budget
+
+
+def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_path):
+    """gpu_check stops a stage with SIGINT at its limit: --json is rewritten after each row's set-up ("partial":
+    "set-up"), and an interrupted case is written with each row's samples so far ("partial": "interrupted"), the
+    cases after it as not run, exit status 130 -- not nothing, as when the JSON was written per case only."""
+    import os
+    import signal
+    import time
+
+    pytest.importorskip("transformers")
+    out = tmp_path / "runtime.json"
+    tiny = "--layers 1 --hidden 64 --heads 4 --kv-heads 2 --vocab 256 --batches 1 --past 16 --prefill-len 16".split()
+    proc = subprocess.Popen([sys.executable, "bench/report_runtime.py", "--device", "cpu", *tiny, "--warmup", "1",
+                             "--repeat", "100000", "--sample-ms", "2", "--json", str(out)], cwd=ROOT,   # --quick's
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)   # sizes, timing for ages
+    seen, deadline = [], time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:     # until all 5 rows are set up: timing has begun
+        if out.exists():
+            cases = json.loads(out.read_text())["cases"]
+            if cases and cases[-1].get("partial") == "set-up":
+                seen.append(len(cases[-1]["rows"]))
+                if seen[-1] == 5:
+                    break
+        time.sleep(0.01)
+    assert proc.poll() is None and seen and seen[-1] == 5 and seen == sorted(seen), (seen, proc.poll())
+    time.sleep(3.0)                                               # some rounds of samples
+    proc.send_signal(signal.SIGINT)
+    stdout = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, stdout[-3000:]
+    doc = json.loads(out.read_text())
+    (case,) = doc["cases"]
+    assert case["partial"] == "interrupted" and case["title"] == "decode step, batch 1, 1 token over 16 cached"
+    assert doc["interrupted"].startswith("decode step, batch 1, 1 token over 16 cached: interrupted after ")
+    assert "with 5 rows set up and 5 timed" in doc["interrupted"] and doc["not_run"] == ["prefill batch 1"]
+    counts = [r["samples"] for r in case["rows"]]
+    assert min(counts) >= 1 and max(counts) - min(counts) <= 1, counts     # interleaved rounds
+    assert all(r["check"].startswith("ok") for r in case["rows"])
+    assert case["verdicts"]["best_vs_unsplit_compiled"] > 0               # verdicts from the samples it has
+    assert "(INTERRUPTED)" in stdout and os.path.exists(out)

@@ -163,6 +163,15 @@ def test_ingest_copies_tables_1_2_and_4_and_says_their_verdicts(tmp_path):
         in dry.stdout.splitlines()
     assert "(dry run) serving.json: the run did not finish (status 'running'): the sections above are those it " \
            "wrote" in dry.stdout.splitlines()
+    # a run its stage limit interrupted (SIGINT) inside a case: that case's verdicts from the samples it had
+    docs["runtime"]["cases"][0]["partial"] = "interrupted"
+    docs["runtime"]["interrupted"] = "decode step, batch 1, 1 token over 128 cached: interrupted after 90 s, ..."
+    (out / "runtime.json").write_text(json.dumps(docs["runtime"]))
+    lines = _run(out, "--root", root, "--dry-run").stdout.splitlines()
+    assert "(dry run) runtime.json: decode step, batch 1, 1 token over 128 cached (interrupted, 0 rows): graph " \
+           "replay vs eager streams: 4.20x faster (target >= 3x at batch 1: met)" in lines
+    assert "(dry run) runtime.json: INTERRUPTED: decode step, batch 1, 1 token over 128 cached: interrupted after " \
+           "90 s, ..." in lines and not any("did not finish" in ln for ln in lines if "runtime.json" in ln)
     (out / "memory.json").write_text(json.dumps({"machine": docs["memory"]["machine"], "rows": []}))
     before = sorted(p.name for p in (root / "bench" / "measured").iterdir())
     bad = _run(out, "--root", root)
