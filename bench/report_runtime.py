@@ -18,6 +18,9 @@ Variants on a GPU:
   fastpipe region compiled               the whole-device path: every slot's steps as one graph,
                                          compiled (shard matmuls merged), no CUDA graph
   fastpipe region compiled + replay      the same, captured and replayed (what processor="auto" runs)
+  ..., a copy per tensor                 the same replay copying its inputs in and outputs out one tensor
+                                         at a time, not one launch per dtype group (GraphReplay's
+                                         grouped_copies): what the grouping saves per call
   unsplit eager / unsplit compiled /     the HF model on the same device: eager, torch.compile
   unsplit compiled, reduce-overhead      (dynamic=False), and torch.compile(mode="reduce-overhead")
 On a CPU: the region processor compiled and eager, the cpu processor eager, the unsplit model eager
@@ -80,7 +83,11 @@ CUDA_VARIANTS = [
     ("fastpipe cuda, eager streams", dict(processor="cuda", compile=False, cuda_graph=False)),
     ("fastpipe region compiled", dict(processor="region", compile=True, cuda_graph=False)),
     ("fastpipe region compiled + replay", dict(processor="region", compile=True, cuda_graph=True)),
+    ("fastpipe region compiled + replay, a copy per tensor", dict(processor="region", compile=True, cuda_graph=True)),
 ]
+# rows whose replay copies its inputs in and outputs out one tensor at a time (GraphReplay.grouped_copies=False),
+# against the grouped copies every other replay makes (one launch per dtype group): what grouping saves per call
+PER_TENSOR_COPIES = {"fastpipe region compiled + replay, a copy per tensor": "fastpipe region compiled + replay"}
 CPU_VARIANTS = [
     ("fastpipe region compiled", dict(processor="region", compile=True)),
     ("fastpipe region eager", dict(processor="region")),
@@ -235,6 +242,8 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
         rows.append(row)
         try:
             sess = fastpipe.load(path, device_map={s: str(dev) for s in slots}, store=store, **kw)
+            if label in PER_TENSOR_COPIES:
+                sess.runner.replay.grouped_copies = False
             before = unique_graphs()
             rep = sess.compile(inputs)
             if kw.get("compile"):
@@ -320,6 +329,10 @@ def verdicts(rows: list[Row], batch: int) -> dict:
             out["replay_target_met"] = streams / replay >= 3.0
     if replay and compiled:
         out["replay_vs_compiled_streams"] = compiled / replay
+    for per_tensor, grouped in PER_TENSOR_COPIES.items():
+        slow, fast = median(rows, per_tensor), median(rows, grouped)
+        if slow and fast:
+            out["grouped_copies_gain"] = slow / fast
     ok = [r for r in rows if r.samples and not r.check.startswith("MISMATCH")]
     ours = [r for r in ok if r.variant.startswith("fastpipe")]
     theirs = [r for r in ok if r.variant in UNSPLIT_COMPILED]
@@ -346,6 +359,9 @@ def verdict_lines(v: dict) -> list[str]:
     if "replay_vs_compiled_streams" in v:
         out.append(f"graph replay vs the same compiled steps launched from Python: "
                    f"{v['replay_vs_compiled_streams']:.2f}x faster")
+    if "grouped_copies_gain" in v:
+        out.append(f"the replay's copies grouped (one launch per dtype) vs a copy per tensor: "
+                   f"{v['grouped_copies_gain']:.2f}x faster")
     if "best_vs_unsplit_compiled" in v:
         out.append(f"best fastpipe ({v['best_fastpipe']}) / best unsplit compiled ({v['best_unsplit_compiled']}): "
                    f"{v['best_vs_unsplit_compiled']:.2f}x (target <= 1.1x: "

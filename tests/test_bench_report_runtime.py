@@ -44,7 +44,7 @@ def _row(variant, ms, check="ok"):
 
 
 def test_verdicts_targets():
-    from bench.report_runtime import verdicts
+    from bench.report_runtime import verdict_lines, verdicts
 
     rows = [_row("fastpipe cuda, graph replay", 1.0), _row("fastpipe cuda, eager streams", 2.5),
             _row("fastpipe region compiled + replay", 0.9), _row("unsplit compiled", 1.2),
@@ -61,6 +61,12 @@ def test_verdicts_targets():
     assert "replay_target_met" not in verdicts(rows, batch=8)          # the replay target is set at batch 1
     rows[2] = _row("fastpipe region compiled + replay", 0.5, check="MISMATCH (max err 1)")   # wrong rows never win
     assert verdicts(rows, batch=1)["best_fastpipe"] == "fastpipe cuda, graph replay"
+    assert "grouped_copies_gain" not in v
+    rows[2] = _row("fastpipe region compiled + replay", 0.9)
+    rows.append(_row("fastpipe region compiled + replay, a copy per tensor", 1.08))
+    assert verdicts(rows, batch=1)["grouped_copies_gain"] == pytest.approx(1.2)
+    assert "the replay's copies grouped (one launch per dtype) vs a copy per tensor: 1.20x faster" in verdict_lines(
+        verdicts(rows, batch=1))
 
 
 def test_tolerance_is_float32_noise_plus_twice_the_unsplit_models_own_error():

@@ -469,3 +469,62 @@ def test_static_buffers_are_normal_tensors_when_captured_under_inference_mode(fa
     with torch.inference_mode():
         assert r.capture({"x": torch.ones(2), "c": caches})
     assert not r.static_in["x"].is_inference() and r.static_in["c"] is caches
+
+
+def many(fake, calls):
+    """fn of 4 float32, 2 int64 and 1 float64 inputs: out_<name> = in_<name> + 1 (kernels handed to `launch`),
+    and a non-contiguous output (a transposed view of a buffer)."""
+    def fn(ins):
+        calls.append(1)
+        outs = {f"out_{n}": torch.empty_like(t) for n, t in ins.items()}
+        base = torch.empty(3, 2)
+        outs["out_t"] = base.t()
+
+        def kernel():
+            for n, t in ins.items():
+                outs[f"out_{n}"].copy_(t + 1)
+            base.copy_(ins["f0"][:6].reshape(3, 2))
+        fake.launch(kernel)
+        return outs
+    return fn
+
+
+def _inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    ins = {f"f{i}": torch.randn(8 + i, generator=g) for i in range(4)}
+    ins.update(i0=torch.randint(0, 9, (5,), generator=g), i1=torch.randint(0, 9, (2, 3), generator=g),
+               d0=torch.randn(4, dtype=torch.float64, generator=g))
+    return ins
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_replay_copies_in_and_out_one_launch_per_dtype_group(fake, monkeypatch, grouped):
+    """A replay copies its inputs in and its outputs out with one torch._foreach_copy_ per (device, dtype) group of
+    contiguous tensors (a single tensor, or a strided one, by its own copy_), not a copy per tensor; the results are
+    what fn gives, and the outputs are fresh tensors every call. grouped_copies=False: a copy per tensor."""
+    real, launches = torch._foreach_copy_, []
+
+    def spy(dst, src, non_blocking=False):
+        launches.append(sorted({str(t.dtype) for t in dst}) + [len(dst)])
+        return real(dst, src, non_blocking=non_blocking)
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    calls = []
+    r = GraphReplay(many(fake, calls), CPU)
+    r.grouped_copies = grouped
+    assert r.capture(_inputs(0))
+    launches.clear()
+    seen = []
+    for seed in (1, 2):
+        ins = _inputs(seed)
+        out = r(ins)
+        seen.append(out)
+        for n, t in ins.items():
+            assert torch.equal(out[f"out_{n}"], t + 1), n
+            assert out[f"out_{n}"] is not r.static_out[f"out_{n}"]
+        assert torch.equal(out["out_t"], ins["f0"][:6].reshape(3, 2).t()) and out["out_t"].stride() == (1, 2)
+    assert torch.equal(seen[0]["out_f0"], _inputs(1)["f0"] + 1)     # call 2 left call 1's outputs as they were
+    if grouped:   # per call: in, float32 (4) and int64 (2); out, float32 (4) and int64 (2); float64 alone
+        assert launches == [["torch.float32", 4], ["torch.int64", 2]] * 4
+    else:
+        assert launches == []
+    assert len(calls) == 2 and r.replays == 2

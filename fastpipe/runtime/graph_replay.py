@@ -16,6 +16,13 @@ passing the same tensors every call (an engine's KV cache) copies nothing. Other
 in (and the session writes the outputs back into them); the tensors of the capture call then serve
 as the graph's scratch. capture(inputs) again with other state tensors captures anew on them.
 
+Copies. A replay's copies go in one launch per group of tensors that share a device and a dtype
+and are contiguous on both sides (torch._foreach_copy_, as inductor's cudagraph trees copy their
+inputs), not one launch per tensor: a decode step with its ids and 16 KV tensors in, its logits
+and 16 KV tensors out (bf16) makes 3 copy launches a call, not 35 (`grouped_copies=False` on a
+replay: one per tensor, what bench/report_runtime.py compares). A pair of another kind (a host tensor copied in, a
+dtype converted) is copied alone.
+
 Outputs. Each call's outputs are clones of the graph's static outputs, so they stay valid (and
 unchanged) after later calls. `alias_outputs=True` hands out the static outputs themselves: valid
 only until the next call of this replay, which overwrites them, and, in a shared pool, until the
@@ -107,6 +114,7 @@ class GraphReplay:
         self.state = dict(state or {})
         self._state_outputs = frozenset(self.state.values())
         self.enabled = True
+        self.grouped_copies = True      # copies in and out: one launch per (device, dtype) group (copy_grouped)
         self.calls = 0                  # calls, capture() included
         self.replays = 0                # graph replays (the capture's own replay in call 2 included)
         self.captures = 0               # graphs captured (more than 1: recaptured on other state tensors)
@@ -199,9 +207,11 @@ class GraphReplay:
 
     def _replay(self, inputs) -> dict:
         stream = self._turns.begin(self.device)
-        for n, t in inputs.items():
-            buf = self.static_in[n]
-            if t is not buf:
+        pairs = [(self.static_in[n], t) for n, t in inputs.items() if t is not self.static_in[n]]
+        if self.grouped_copies:
+            copy_grouped([b for b, _ in pairs], [t for _, t in pairs])
+        else:
+            for buf, t in pairs:
                 buf.copy_(t, non_blocking=True)
         self.graph.replay()
         self.replays += 1
@@ -211,5 +221,31 @@ class GraphReplay:
 
     def _outputs(self) -> dict:
         out = self.static_out
-        return dict(out) if self.alias_outputs else {n: t if n in self._state_outputs else t.clone()
-                                                     for n, t in out.items()}
+        if self.alias_outputs:
+            return dict(out)
+        if not self.grouped_copies:
+            return {n: t if n in self._state_outputs else t.clone() for n, t in out.items()}
+        fresh = {n: t if n in self._state_outputs else torch.empty_like(t) for n, t in out.items()}
+        cloned = [n for n in out if n not in self._state_outputs]
+        copy_grouped([fresh[n] for n in cloned], [out[n] for n in cloned])
+        return fresh
+
+
+def copy_grouped(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i], non_blocking=True) for every i: one torch._foreach_copy_ per group of pairs on one
+    device with one dtype, the same shape and both sides contiguous (its one-launch path on CUDA); any other
+    pair (a host tensor to the device, a dtype conversion, a strided view) by its own copy_."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for d, s in zip(dst, src):
+        if d.device == s.device and d.dtype == s.dtype and d.shape == s.shape and d.is_contiguous() \
+                and s.is_contiguous():
+            ds, ss = groups.setdefault((d.device, d.dtype), ([], []))
+            ds.append(d)
+            ss.append(s)
+        else:
+            d.copy_(s, non_blocking=True)
+    for ds, ss in groups.values():
+        if len(ds) == 1:
+            ds[0].copy_(ss[0], non_blocking=True)
+        else:
+            torch._foreach_copy_(ds, ss, non_blocking=True)
