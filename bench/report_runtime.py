@@ -194,8 +194,9 @@ def tolerance(ref, own_err: float) -> float:
 
 def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path, model32=None,
              rows: list[Row] | None = None, progress=lambda: None) -> list[Row]:
-    """One case's rows; model32: the unsplit model in float32 (the reference; None: model is float32). rows: the
-    list to fill (the caller's, so an interrupted case keeps the rows it set up); progress(): after each row's set-up."""
+    """One case's rows; model32: the unsplit model in float32 (the reference; None: model is float32). rows:
+    the list to fill (the caller's, so an interrupted case keeps the rows it set up); progress(): after each
+    row's set-up."""
     import torch
 
     import fastpipe

@@ -9,6 +9,7 @@ names ``torch._<something>``).
     unique_graphs()                dynamo's count of graphs compiled so far (torch._dynamo)
     make_graph_module(...)         a GraphModule whose code is generated lazily (torch.fx)
     end_pool_routing(device, pool) stop routing allocations into a failed capture's pool (torch._C)
+    foreach_copy_(dst, src)        dst[i].copy_(src[i]) for every i in one launch where it can (torch._foreach_copy_)
 
 ``make_graph_module`` builds a GraphModule without generating and exec-ing
 its Python code yet. torch.fx compiles a GraphModule's ``forward`` by
@@ -28,6 +29,12 @@ OpOverloadPacket = torch._ops.OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402, F401  (re-exported)
 
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+def foreach_copy_(dst: list, src: list, non_blocking: bool = False) -> None:
+    """dst[i].copy_(src[i]) for every i: on CUDA one multi-tensor launch where every tensor shares a device and a
+    dtype and is dense (else torch copies them one by one); what inductor's cudagraph trees copy inputs with."""
+    torch._foreach_copy_(dst, src, non_blocking=non_blocking)
 
 
 def unique_graphs() -> int:

@@ -59,6 +59,7 @@ import torch
 
 from fastpipe.errors import CompileError
 from fastpipe.runtime.cuda_capture import capture
+from fastpipe.torch_compat import foreach_copy_
 
 _CAPTURE_LOCK = threading.Lock()         # one capture at a time in the process (torch's rule)
 
@@ -232,9 +233,9 @@ class GraphReplay:
 
 
 def copy_grouped(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """dst[i].copy_(src[i], non_blocking=True) for every i: one torch._foreach_copy_ per group of pairs on one
-    device with one dtype, the same shape and both sides contiguous (its one-launch path on CUDA); any other
-    pair (a host tensor to the device, a dtype conversion, a strided view) by its own copy_."""
+    """dst[i].copy_(src[i], non_blocking=True) for every i: one torch._foreach_copy_ (torch_compat.foreach_copy_)
+    per group of pairs on one device with one dtype, the same shape and both sides contiguous (its one-launch path
+    on CUDA); any other pair (a host tensor to the device, a dtype conversion, a strided view) by its own copy_."""
     groups: dict[tuple, tuple[list, list]] = {}
     for d, s in zip(dst, src):
         if d.device == s.device and d.dtype == s.dtype and d.shape == s.shape and d.is_contiguous() \
@@ -248,4 +249,4 @@ def copy_grouped(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         if len(ds) == 1:
             ds[0].copy_(ss[0], non_blocking=True)
         else:
-            torch._foreach_copy_(ds, ss, non_blocking=True)
+            foreach_copy_(ds, ss, non_blocking=True)
