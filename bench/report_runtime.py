@@ -386,6 +386,12 @@ def write_json(path: str, doc: dict) -> None:
     write_text(path, json.dumps(doc, indent=1))
 
 
+def case_entry(title: str, step: str, batch: int, rows: list[Row], partial: str | None = None) -> dict:
+    """One case in --json: its rows and verdicts as far as it got (partial: "set-up" or "interrupted")."""
+    return {"title": title, "step": step, "batch": batch, "rows": [row_json(r) for r in rows],
+            "verdicts": verdicts(rows, batch), **({"partial": partial} if partial else {})}
+
+
 def close_rows(rows: list[Row]) -> None:
     """Free a case's sessions (their threads, their device memory)."""
     for r in rows:
@@ -450,13 +456,9 @@ def main(argv=None) -> int:
                      else f"prefill step, batch {b}, {args.prefill_len} tokens")
             rows: list[Row] = []
 
-            def case_doc(partial=None, title=title, step=step, b=b, rows=rows):   # the case as far as it got
-                return {"title": title, "step": step, "batch": b, "rows": [row_json(r) for r in rows],
-                        "verdicts": verdicts(rows, b), **({"partial": partial} if partial else {})}
-
-            def progress(case_doc=case_doc):     # after each row's set-up: a cut-off run keeps them
+            def progress(title=title, step=step, b=b, rows=rows):   # after each row's set-up: a cut-off run keeps them
                 if args.json:
-                    write_json(args.json, {**doc, "cases": doc["cases"] + [case_doc("set-up")]})
+                    write_json(args.json, {**doc, "cases": doc["cases"] + [case_entry(title, step, b, rows, "set-up")]})
             try:
                 run_case(args, step, b, folder, model, store, Path(tmp) / f"{step}{b}", model32, rows, progress)
                 measure(rows, args.repeat, args.warmup, args.sample_ms)
@@ -464,7 +466,7 @@ def main(argv=None) -> int:
                 timed = sum(bool(r.samples) for r in rows)
                 doc["interrupted"] = (f"{title}: interrupted after {time.perf_counter() - t_case:.0f} s, with "
                                       f"{len(rows)} rows set up and {timed} timed (each row's samples so far)")
-                doc["cases"].append(case_doc("interrupted"))
+                doc["cases"].append(case_entry(title, step, b, rows, "interrupted"))
                 doc["not_run"] = [f"{s} batch {bb}" for s, bb in todo[i + 1:]]
                 print(f"\n### {title} (INTERRUPTED)\n\n" + "\n".join(table(rows)) + f"\n\n{doc['interrupted']}")
                 close_rows(rows)
@@ -481,7 +483,7 @@ def main(argv=None) -> int:
             print(f"({time.perf_counter() - t_start:.0f} s so far)", flush=True)
             failed += [f"{title}: {r.variant}" for r in rows if r.variant.startswith("fastpipe")
                        and (r.error or r.check.startswith("MISMATCH"))]
-            doc["cases"].append(case_doc())
+            doc["cases"].append(case_entry(title, step, b, rows))
             if args.json:
                 write_json(args.json, doc)
             close_rows(rows)

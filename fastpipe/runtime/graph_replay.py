@@ -208,7 +208,7 @@ class GraphReplay:
 
     def _replay(self, inputs) -> dict:
         stream = self._turns.begin(self.device)
-        pairs = [(self.static_in[n], t) for n, t in inputs.items() if t is not self.static_in[n]]
+        pairs = [(buf, t) for n, t in inputs.items() if (buf := self.static_in[n]) is not t]
         if self.grouped_copies:
             copy_grouped([b for b, _ in pairs], [t for _, t in pairs])
         else:
