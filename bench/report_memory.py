@@ -11,7 +11,10 @@ limit keeps the rows it finished.
 load    A checkpoint of --mb MiB (16 matrices, --dtype) and a pipeline whose constants are row
         slices covering all of it over 2 slots (bench.pipelines.write_load_pipeline, as the
         Foundation benchmark). fastpipe.load(pipeline, device_map={every slot: device}) against
-        safetensors.torch.load_file(path, device=device). Both end with every byte resident on the
+        safetensors.torch.load_file(path, device=device); on a GPU fastpipe twice: its default upload
+        (upload="pinned": pinned staging buffers, reading the file while the copy engine copies) and
+        upload="pageable" (.to(device) per tensor, as safetensors does), the columns "pageable ratio"
+        (its time / safetensors') and "pinned / pageable" (what the staging buys). Both end with every byte resident on the
         device: on a GPU both copy every tensor there and the timer stops after
         torch.cuda.synchronize(); on the CPU both are lazy mmap views, so both then read every byte
         (a sum, as report_foundation does). "cold" drops the file from the page cache
@@ -263,8 +266,8 @@ def section_load(args, device: torch.device, tmp: Path) -> list[dict]:
             touch_all(out.values())
         return out
 
-    def ours():
-        sess = fastpipe.load(pipeline, device_map=dm, store=WeightStore())
+    def ours(upload: str = "pinned"):
+        sess = fastpipe.load(pipeline, device_map=dm, store=WeightStore(), upload=upload)
         if not cuda:
             touch_all(session_constants(sess))
         return sess
@@ -275,7 +278,7 @@ def section_load(args, device: torch.device, tmp: Path) -> list[dict]:
         return sum(t.nbytes for t in ts), all(t.device == device for t in ts)
 
     def release(side: str, out) -> None:
-        if side == "fastpipe":
+        if side != "baseline":
             out.close()
 
     def timed(side: str, fn, cold: bool) -> tuple[float, int, bool]:
@@ -297,12 +300,14 @@ def section_load(args, device: torch.device, tmp: Path) -> list[dict]:
             torch.cuda.empty_cache()
         return dt, nbytes, there
 
-    sides = (("baseline", baseline), ("fastpipe", ours))
+    # on a GPU fastpipe's two uploads (pinned staging, the default; pageable .to() per tensor, as safetensors
+    # does); on the CPU there is no copy to make, so one fastpipe side
+    sides = (("baseline", baseline), ("fastpipe", ours)) + ((("pageable", lambda: ours("pageable")),) if cuda else ())
     first = {side: timed(side, fn, cold=False) for side, fn in sides}     # untimed: imports, CUDA context
     rows = []
     for mode in ("cold", "warm"):
-        times: dict[str, list[float]] = {"baseline": [], "fastpipe": []}
-        checks: dict[str, set] = {"baseline": set(), "fastpipe": set()}
+        times: dict[str, list[float]] = {side: [] for side, _ in sides}
+        checks: dict[str, set] = {side: set() for side, _ in sides}
         for _ in range(args.rounds):
             for side, fn in sides:
                 dt, nbytes, there = timed(side, fn, cold=mode == "cold")
@@ -311,23 +316,32 @@ def section_load(args, device: torch.device, tmp: Path) -> list[dict]:
         b, f = statistics.median(times["baseline"]), statistics.median(times["fastpipe"])
         nbytes = first["baseline"][1]
         every = all(there and n == nbytes for side in checks for n, there in checks[side])
-        rows.append({"section": "load", "mode": mode, "device": str(device), "mb": args.mb, "dtype": args.dtype,
-                     "bytes": nbytes, "rounds": args.rounds, "fs": fs,
-                     "baseline": "safetensors.torch.load_file(path, device=...)",
-                     "fastpipe": "fastpipe.load(pipeline, device_map={every slot: device})",
-                     "baseline_s": b, "fastpipe_s": f, "ratio": f / b,
-                     "baseline_bytes_per_s": nbytes / b, "fastpipe_bytes_per_s": nbytes / f,
-                     "baseline_times_s": times["baseline"], "fastpipe_times_s": times["fastpipe"],
-                     "every_byte_on_device": every,
-                     "ends_with": ("torch.cuda.synchronize() after the copies" if cuda
-                                   else "one read of every byte (sum), both sides being mmap views")})
+        row = {"section": "load", "mode": mode, "device": str(device), "mb": args.mb, "dtype": args.dtype,
+               "bytes": nbytes, "rounds": args.rounds, "fs": fs,
+               "baseline": "safetensors.torch.load_file(path, device=...)",
+               "fastpipe": "fastpipe.load(pipeline, device_map={every slot: device})" + (" (upload pinned)" if cuda else ""),
+               "baseline_s": b, "fastpipe_s": f, "ratio": f / b,
+               "baseline_bytes_per_s": nbytes / b, "fastpipe_bytes_per_s": nbytes / f,
+               "baseline_times_s": times["baseline"], "fastpipe_times_s": times["fastpipe"],
+               "every_byte_on_device": every,
+               "ends_with": ("torch.cuda.synchronize() after the copies" if cuda
+                             else "one read of every byte (sum), both sides being mmap views")}
+        if cuda:
+            pg = statistics.median(times["pageable"])
+            row.update({"pageable": "fastpipe.load(..., upload=\"pageable\")", "pageable_s": pg,
+                        "pageable_ratio": pg / b, "pinned_vs_pageable": f / pg, "pageable_bytes_per_s": nbytes / pg,
+                        "pageable_times_s": times["pageable"]})
+        rows.append(row)
+    head = ("mode", "safetensors load_file", "fastpipe.load", "ratio", "safetensors GB/s", "fastpipe GB/s")
+    pageable = ("fastpipe pageable", "pageable ratio", "pinned / pageable") if cuda else ()
     print_table(f"load: {args.mb} MiB {args.dtype} checkpoint onto {device} (medians of {args.rounds}; "
-                f"file on {fs})",
-                ("mode", "safetensors load_file", "fastpipe.load", "ratio", "safetensors GB/s", "fastpipe GB/s",
-                 "every byte on device"),
+                f"file on {fs}; ratio: time / safetensors' time)",
+                head + pageable + ("every byte on device",),
                 [(r["mode"], f"{r['baseline_s'] * 1e3:.1f} ms", f"{r['fastpipe_s'] * 1e3:.1f} ms", f"{r['ratio']:.2f}x",
-                  f"{r['baseline_bytes_per_s'] / 1e9:.2f}", f"{r['fastpipe_bytes_per_s'] / 1e9:.2f}",
-                  "yes" if r["every_byte_on_device"] else "NO") for r in rows])
+                  f"{r['baseline_bytes_per_s'] / 1e9:.2f}", f"{r['fastpipe_bytes_per_s'] / 1e9:.2f}")
+                 + ((f"{r['pageable_s'] * 1e3:.1f} ms", f"{r['pageable_ratio']:.2f}x", f"{r['pinned_vs_pageable']:.2f}x")
+                    if cuda else ())
+                 + ("yes" if r["every_byte_on_device"] else "NO",) for r in rows])
     if fs == "tmpfs":
         print("note: the file is on a tmpfs (RAM): cold rounds read memory, not a disk (use --tmp DIR on a disk)")
     return rows

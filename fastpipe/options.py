@@ -1,6 +1,6 @@
 """What the caller chooses when loading and running a pipeline: two frozen, validated dataclasses.
 
-    LoadOptions(allow_outside_paths=False, trust_export_archives=False, check_payloads=True)
+    LoadOptions(allow_outside_paths=False, trust_export_archives=False, check_payloads=True, upload="pinned")
     RunOptions(processor="reference", compile=False, compile_policy="warn", cuda_graph=True,
                fuse="auto", merge_shards=True, slot_ranks=None, dist_timeout=None, state_in_place=False,
                graph_pool=None)
@@ -33,10 +33,17 @@ class LoadOptions:
     """Allow torch.export archives, whose loader can unpickle (i.e. run code from the file)."""
     check_payloads: bool = True
     """Decode every graph payload and propagate shapes with fake tensors during validation."""
+    upload: str = "pinned"
+    """How weights reach a GPU at load: "pinned" (all of a device's weights through a few pinned staging
+    buffers, reading the file while the copy engine copies: fastpipe.weights.upload; a RuntimeWarning
+    where pinned memory cannot be had) or "pageable" (``.to(device)`` per tensor, as
+    ``safetensors.torch.load_file(device=...)`` does)."""
 
     def __post_init__(self):
         for name in ("allow_outside_paths", "trust_export_archives", "check_payloads"):
             _flag(name, getattr(self, name))
+        if self.upload not in ("pinned", "pageable"):
+            raise InputError(f"upload: expected pinned or pageable, found {self.upload!r}")
 
 
 @dataclass(frozen=True)

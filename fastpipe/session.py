@@ -320,7 +320,7 @@ class Session:
 
 
 def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] | None = None, *,
-         allow_outside_paths: bool = False, trust_export_archives: bool = False,
+         allow_outside_paths: bool = False, trust_export_archives: bool = False, upload: str = "pinned",
          store: WeightStore | None = None, processor: str = "reference", compile: bool = False,
          compile_policy: str = "warn", cuda_graph: bool = True, fuse: str = "auto", merge_shards: bool = True,
          slot_ranks: Mapping[str, int] | None = None, dist_timeout: float | None = None,
@@ -336,7 +336,8 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
     (`slot_ranks` overrides which; `dist_timeout` in seconds bounds every collective); see
     docs/distributed.md.
     """
-    lo = LoadOptions(allow_outside_paths=allow_outside_paths, trust_export_archives=trust_export_archives)
+    lo = LoadOptions(allow_outside_paths=allow_outside_paths, trust_export_archives=trust_export_archives,
+                     upload=upload)
     ro = RunOptions(processor=processor, compile=compile, compile_policy=compile_policy, cuda_graph=cuda_graph,
                     fuse=fuse, merge_shards=merge_shards, slot_ranks=slot_ranks, dist_timeout=dist_timeout,
                     state_in_place=state_in_place, graph_pool=graph_pool)

@@ -32,6 +32,7 @@ def test_load_rows_and_pool_needs_a_gpu_on_cpu(tmp_path):
         assert r["bytes"] >= 15 * 2**20 and r["every_byte_on_device"] is True
         assert r["fastpipe_bytes_per_s"] == pytest.approx(r["bytes"] / r["fastpipe_s"])
         assert len(r["baseline_times_s"]) == len(r["fastpipe_times_s"]) == 2
+        assert "pageable_s" not in r              # the CPU makes no copy: one fastpipe side
     pool = doc["sections"]["pool"]["rows"]
     assert len(pool) == 1 and pool[0]["status"] == "needs a GPU"
     assert not any(k.endswith("_bytes") for k in pool[0])     # no numbers made up

@@ -71,7 +71,10 @@ def test_memory_table_on_a_gpu(tmp_path):
     doc, _ = _script("memory", tmp_path, "--device", "cuda", "--quick", "--compile", "off", "--tmp", str(tmp_path))
     assert list(doc["sections"]) == ["load", "memory", "pool"] and doc["device"].startswith("cuda")
     assert not [r for r in doc["rows"] if "error" in r], [r for r in doc["rows"] if "error" in r]
-    assert all(r["every_byte_on_device"] and r["ratio"] > 0 for r in doc["sections"]["load"]["rows"])
+    load = doc["sections"]["load"]["rows"]
+    assert all(r["every_byte_on_device"] and r["ratio"] > 0 for r in load)
+    assert all(r["pinned_vs_pageable"] == pytest.approx(r["fastpipe_s"] / r["pageable_s"]) for r in load)
+    assert all(len(r["pageable_times_s"]) == len(r["fastpipe_times_s"]) for r in load)
     memory = doc["sections"]["memory"]["rows"]
     assert len(memory) == 6 and all(r["measured"] is True and r["peak_allocated_bytes"] > 0 for r in memory)
     assert all(r["replayed"] for r in memory if "cuda_graph=True" in r["processor"]), memory

@@ -57,3 +57,46 @@ def test_buckets_hold_one_copy_of_the_weights(tmp_path):
     assert w1 > 0 and torch.cuda.memory_allocated() - base - w1 < 0.1 * w1
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("processor", ["cuda", "region"])
+def test_pinned_upload_equals_the_file_and_the_pageable_path(processor):
+    """The default upload (pinned staging buffers) puts every constant there bit for bit and runs as the
+    pageable path does; the store counts the staged bytes."""
+    path = GRAPHS / "tp_mlp" / "pipeline.json"
+    dm = {s: "cuda:0" for s in fastpipe.load(path).pipeline.devices}
+    pinned, pageable = WeightStore(), WeightStore()
+    a = fastpipe.load(path, device_map=dm, store=pinned, processor=processor, fuse="off")   # steps keep their names
+    b = fastpipe.load(path, device_map=dm, store=pageable, processor=processor, fuse="off", upload="pageable")
+    cpu = fastpipe.load(path, store=WeightStore())
+    host = {n: t for steps in cpu.program.steps.values() for st in steps for n, t in st.constants.items()}
+    distinct = {id(t): t for t in host.values()}.values()           # one slice named twice is staged once
+    assert pinned.stats()["staged_bytes"] == sum(t.nbytes for t in distinct) > 0
+    assert pageable.stats()["staged_bytes"] == 0
+    if processor == "cuda":              # the region processor merges shards: compare its outputs only
+        got = {n: t for steps in a.program.steps.values() for st in steps for n, t in st.constants.items()}
+        assert got.keys() == host.keys()
+        for n, t in got.items():
+            assert t.device.type == "cuda" and torch.equal(t.cpu(), host[n]), n
+    x = {n: torch.randn(a.pipeline.tensors[n].shape, device="cuda:0") for n in a.input_names}
+    for k, v in b.run(x).items():
+        assert torch.equal(a.run(x)[k], v), k
+    a.close()
+    b.close()
+
+
+def test_staged_copy_waits_for_each_buffer_behind_a_slow_stream():
+    """Small buffers and a stream held up by a sleep kernel: the copies lag far behind the host, which
+    must wait before it rewrites a buffer; any buffer rewritten early would show as wrong bytes."""
+    from fastpipe.weights import upload as staging
+
+    g = torch.Generator().manual_seed(3)
+    srcs = [torch.randn(n, generator=g).to(dt) for n, dt in
+            [(70_001, torch.float32), (3, torch.bfloat16), (250_000, torch.float16), (0, torch.float32),
+             (1 << 20, torch.float32), (17, torch.int64)]]
+    torch.cuda._sleep(50_000_000)          # ~25 ms of nothing on the current stream, ahead of the copies
+    outs, staged = staging.upload(iter(srcs), torch.device("cuda:0"), chunk_bytes=64 << 10, buffers=2,
+                                  total_bytes=sum(t.nbytes for t in srcs))
+    assert staged == sum(t.nbytes for t in srcs)
+    for s, o in zip(srcs, outs):
+        assert o.device.type == "cuda" and torch.equal(o.cpu(), s)

@@ -12,7 +12,8 @@ EXIT_FAILED = 1
 def load_options(args):
     from fastpipe.options import LoadOptions
 
-    return LoadOptions(allow_outside_paths=args.allow_outside_paths, trust_export_archives=args.trust_export_archives)
+    return LoadOptions(allow_outside_paths=args.allow_outside_paths, trust_export_archives=args.trust_export_archives,
+                       upload=getattr(args, "upload", "pinned"))
 
 
 def run_options(args, **overrides):

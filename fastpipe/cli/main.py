@@ -66,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
                    help="auto (default): dist under torchrun or with --nproc, else region when every slot is on one "
                         "device (one compiled graph per device), else cuda when every slot is on a GPU, else cpu "
                         "(a thread per slot)")
+    r.add_argument("--upload", choices=("pinned", "pageable"), default="pinned",
+                   help="how weights reach a GPU: pinned (default: through pinned staging buffers, reading the file "
+                        "while copying) or pageable (.to(device) per tensor)")
     r.add_argument("--no-compile", action="store_true", help="run fx supertasks eagerly instead of torch.compile")
     r.add_argument("--compile-errors", choices=("warn", "raise"), default="warn",
                    help="a graph that cannot be compiled: warn and run it eagerly (default), or fail")

@@ -4,7 +4,8 @@
     program = bind(lower(checked), checked, binder, local_slots={"0"})   # dist: this rank's slots
 
 Each step gets its slot's device and its constants (read once per process by the weight
-store, and copied to a device once per store: sessions over one store share the copy); each
+store, and copied to a device once per store: sessions over one store share the copy; a GPU's
+constants go there together, through pinned staging buffers: Binder.prefetch); each
 compute step its callable (the fx graph on the slot's device, compiled when asked; a registered
 handler for other kinds); each comm group with a member to bind its plain-torch callable
 (fastpipe.runtime.execute.group_fn).
@@ -49,6 +50,20 @@ class Binder:
             self._const[key] = self.store.load(ref, t.shape, dtypes.to_torch(t.dtype), where=where,
                                                trust_export=self.opts.trust_export_archives, device=device)
         return self._const[key]
+
+    def prefetch(self, names, device: torch.device) -> None:
+        """Load the constants among `names` for `device` together (on a GPU: one staged upload of all the
+        weights not there yet, WeightStore.load_many); later constant() calls find them."""
+        todo = [n for n in dict.fromkeys(names) if self.p.tensors[n].is_constant and (n, device) not in self._const]
+        if not todo or torch.device(device).type == "cpu":     # the CPU's slices are mmap views: nothing to copy
+            return
+        requests = []
+        for n in todo:
+            t = self.p.tensors[n]
+            ref, where = param_ref(self.p, n, self.opts)
+            requests.append((ref, t.shape, dtypes.to_torch(t.dtype), where, self.opts.trust_export_archives))
+        for n, c in zip(todo, self.store.load_many(requests, device, upload=self.opts.upload)):
+            self._const[(n, device)] = c
 
     def forget_constants(self) -> None:
         """Drop the load-time cache (the bound steps hold what they use; passes may have replaced some)."""
@@ -104,6 +119,12 @@ def bind(program: Program, checked, binder: Binder, local_slots=None) -> Program
     graphs = checked.graphs
     devices = binder.slot_devices
     local = set(program.slots if local_slots is None else local_slots)
+    wanted: dict = {}                       # device -> the constants its local steps read, in step order
+    for slot in program.slots:
+        if slot in local:
+            wanted.setdefault(devices[slot], []).extend(n for st in program.steps[slot] for n in st.reads)
+    for dev, names in wanted.items():
+        binder.prefetch(names, dev)
     steps = {}
     for slot, ss in program.steps.items():
         if slot not in local:

@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from pathlib import Path
 
@@ -61,7 +62,8 @@ class WeightStore:
         # (slice key, device) -> the slice's copy on that device, shared by every session placing it there
         self._on_device: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._counts = {"file_opens": 0, "slice_hits": 0, "slice_misses": 0, "bytes_read": 0,
-                        "device_copies": 0, "device_hits": 0}
+                        "device_copies": 0, "device_hits": 0,
+                        "staged_bytes": 0}
 
     # -- opening -----------------------------------------------------------------
     def _open(self, ref: ParamRef, *, where: str, trust_export: bool):
@@ -121,6 +123,76 @@ class WeightStore:
                             lambda: self._shared(self._slices, skey, cpu, "slice_hits", "slice_misses").to(device),
                             "device_hits", "device_copies")
 
+    def load_many(self, requests, device: torch.device, *, upload: str = "pinned") -> list[torch.Tensor]:
+        """What ``load(ref, shape, dtype, where=..., trust_export=..., device=device)`` returns for each
+        request ``(ref, shape, dtype, where, trust_export)``, every check made before any byte is read. The
+        slices not yet on `device` go there together: with ``upload="pinned"`` on a CUDA device through
+        pinned staging buffers that overlap reading the file with the copies (fastpipe.weights.upload; a
+        RuntimeWarning says so where pinned memory cannot be had, and they go as "pageable"), with
+        "pageable" by ``.to(device)`` one after another. Every copy is done on return."""
+        dev = torch.device(device)
+        checked = [self._checked(ref, shape, dtype, where=where, trust_export=trust)
+                   for ref, shape, dtype, where, trust in requests]
+        skeys = [(key, ref.name, placements, dtype) for (ref, *_), (key, _, placements, dtype) in zip(requests, checked)]
+        if dev.type == "cpu":
+            return [self._shared(self._slices, skey, self._reader(opened, ref, placements, dtype, where),
+                                 "slice_hits", "slice_misses")
+                    for skey, (ref, _, _, where, _), (_, opened, placements, dtype) in zip(skeys, requests, checked)]
+        out: list = [None] * len(requests)
+        todo: dict[tuple, list[int]] = {}           # (slice key, device) -> the requests it answers
+        with self._lock:
+            for i, skey in enumerate(skeys):
+                t = self._on_device.get((skey, str(device)))
+                if t is not None:
+                    self._counts["device_hits"] += 1
+                    out[i] = t
+                else:
+                    todo.setdefault((skey, str(device)), []).append(i)
+        firsts = [ids[0] for ids in todo.values()]
+
+        def host_slices():                          # one at a time: the upload drops each once it is staged
+            for i in firsts:
+                (ref, _, _, where, _), (_, opened, placements, dtype) = requests[i], checked[i]
+                yield self._shared(self._slices, skeys[i], self._reader(opened, ref, placements, dtype, where),
+                                   "slice_hits", "slice_misses")
+
+        copies = self._to_device(host_slices(), dev, upload, sum(self._nbytes(checked[i]) for i in firsts))
+        for (dkey, ids), t in zip(todo.items(), copies):
+            t = self._shared(self._on_device, dkey, lambda t=t: t, "device_hits", "device_copies")
+            with self._lock:
+                self._counts["device_hits"] += len(ids) - 1        # the same slice asked for again
+            for i in ids:
+                out[i] = t
+        return out
+
+    @staticmethod
+    def _nbytes(checked) -> int:
+        _, _, placements, dtype = checked
+        n = 1
+        for s, e in placements:
+            n *= e - s
+        return n * dtype.itemsize
+
+    def _to_device(self, slices, device: torch.device, upload: str, total: int) -> list[torch.Tensor]:
+        """The copies on `device` of the host tensors `slices` yields (an iterator, read once)."""
+        from . import upload as staging
+
+        queue = staging.queue_for(device) if upload == "pinned" and total > 0 else None
+        if queue is not None:
+            try:
+                outs, staged = staging.upload(slices, device, queue=queue, total_bytes=total)
+            except staging.PinnedStagingUnavailable as e:     # raised before `slices` was read
+                warnings.warn(f"fastpipe: weights copied to {device} from pageable memory, one tensor after "
+                              f"another: pinned staging buffers unavailable ({e})", RuntimeWarning, stacklevel=4)
+            else:
+                with self._lock:
+                    self._counts["staged_bytes"] += staged
+                return outs
+        return [t.to(device) for t in slices]
+
+    def _reader(self, opened, ref: ParamRef, placements, dtype, where: str):
+        return lambda: self._read(opened, ref, placements, dtype, where)
+
     def _shared(self, index, key, make, hit: str, miss: str) -> torch.Tensor:
         """index[key], made by make() outside the lock if absent; one object even when two threads race."""
         with self._lock:
@@ -164,7 +236,8 @@ class WeightStore:
         """``open_files`` (cached handles), ``live_slices`` (slices someone still holds),
         ``live_device_copies``, ``file_opens``, ``slice_hits``, ``slice_misses``, ``bytes_read``
         (sum of the sizes of the slices read: a slice costs its own bytes, never the file's),
-        ``device_copies`` (slices copied to a device) and ``device_hits`` (copies handed out again)."""
+        ``device_copies`` (slices copied to a device), ``device_hits`` (copies handed out again) and
+        ``staged_bytes`` (bytes copied to a GPU through pinned staging buffers: load_many)."""
         with self._lock:
             return {"open_files": len(self._files), "live_slices": len(self._slices),
                     "live_device_copies": len(self._on_device), **self._counts}
