@@ -38,6 +38,9 @@ memory  A random Llama-family checkpoint (bench.generation_cases.make_model; --l
               intermediates alive at once, one micro-batch; outputs counted, inputs not);
           constants (measured): memory_allocated growth over the load (weights moved there;
               the region processor's merged shard weights included);
+          load peak: max_memory_allocated during the load, over what was allocated before it (the
+              region processor merges shard weights on the device after they arrive, so its shards
+              and their merged copy are there at once until the shards go: up to twice the weights);
           inputs: the caller's input tensors on the GPU (allocated before the run: in every
               "allocated" column below, not in the plan);
           allocated at start: memory_allocated right before the run: constants + inputs + what
@@ -411,10 +414,11 @@ def measure_run(path: Path, shape: str, label: str, kw: dict, device: torch.devi
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         a_pre = allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
         sess = fastpipe.load(path, device_map=all_slots(path, device), store=WeightStore(), compile_policy="warn", **kw)
         try:
             sync(device)
-            a_load = allocated(device)
+            a_load, load_peak = allocated(device), torch.cuda.max_memory_allocated(device)
             inputs = device_inputs(sess, device)
             sync(device)
             input_bytes = sum(t.nbytes for t in inputs.values() if t.device == device)
@@ -442,6 +446,8 @@ def measure_run(path: Path, shape: str, label: str, kw: dict, device: torch.devi
                 "measured": True,
                 "allocated_before_load_bytes": a_pre,
                 "constants_measured_bytes": a_load - a_pre,
+                "load_peak_bytes": load_peak - a_pre,
+                "load_peak_over_constants": ratio(load_peak - a_pre, a_load - a_pre),
                 "input_bytes": input_bytes,
                 "output_bytes": sum(t.nbytes for t in out.values() if t.device == device),
                 "allocated_at_start_bytes": a_start,
@@ -489,10 +495,11 @@ def section_memory(args, device: torch.device, models: Models, progress=lambda r
     if cuda:
         print_table(f"memory: one run on {device} vs the plan ({model})",
                     ("shape", "processor", "plan peak", "plan constants", "plan activations", "constants (measured)",
-                     "caller's inputs", "allocated at start", "peak allocated", "run's own", "peak reserved",
+                     "load peak", "caller's inputs", "allocated at start", "peak allocated", "run's own", "peak reserved",
                      "graph pool", "peak alloc / plan", "peak reserved / plan", "replayed"),
                     [(r["shape"], r["processor"], mib(r["predicted_peak_bytes"]), mib(r["constant_bytes"]),
-                      mib(r["activation_bytes"]), mib(r["constants_measured_bytes"]), mib(r["input_bytes"]),
+                      mib(r["activation_bytes"]), mib(r["constants_measured_bytes"]), mib(r["load_peak_bytes"]),
+                      mib(r["input_bytes"]),
                       mib(r["allocated_at_start_bytes"]), mib(r["peak_allocated_bytes"]), mib(r["run_own_bytes"]),
                       mib(r["peak_reserved_bytes"]), mib(r["graph_pool_reserved_bytes"]),
                       fmt_ratio(r["peak_allocated_over_plan"]), fmt_ratio(r["peak_reserved_over_plan"]),

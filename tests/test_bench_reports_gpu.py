@@ -77,6 +77,7 @@ def test_memory_table_on_a_gpu(tmp_path):
     assert all(len(r["pageable_times_s"]) == len(r["fastpipe_times_s"]) for r in load)
     memory = doc["sections"]["memory"]["rows"]
     assert len(memory) == 6 and all(r["measured"] is True and r["peak_allocated_bytes"] > 0 for r in memory)
+    assert all(r["load_peak_bytes"] >= r["constants_measured_bytes"] > 0 for r in memory), memory
     assert all(r["replayed"] for r in memory if "cuda_graph=True" in r["processor"]), memory
     pool = doc["sections"]["pool"]["rows"]
     assert len(pool) == 3 and all(r["every_run_replayed"] for r in pool), pool
