@@ -528,3 +528,22 @@ def test_replay_copies_in_and_out_one_launch_per_dtype_group(fake, monkeypatch, 
     else:
         assert launches == []
     assert len(calls) == 2 and r.replays == 2
+
+
+def test_grouped_copies_leave_dtypes_the_one_launch_path_lacks_to_their_own_copy(monkeypatch):
+    """uint32 (and the other dtypes CUDA's one-launch foreach copy lacks: it raises NotImplementedError there) is
+    copied pair by pair; float32 beside it still goes as one group."""
+    from fastpipe.runtime.graph_replay import FOREACH_COPY_DTYPES, copy_grouped
+
+    real, launches = torch._foreach_copy_, []
+
+    def spy(dst, src, non_blocking=False):
+        launches.append(sorted({str(t.dtype) for t in dst}) + [len(dst)])
+        return real(dst, src, non_blocking=non_blocking)
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    src = [torch.arange(4).to(torch.uint32), (torch.arange(3) + 7).to(torch.uint32), torch.randn(5), torch.randn(2)]
+    dst = [torch.empty_like(t) for t in src]
+    copy_grouped(dst, src)
+    assert launches == [["torch.float32", 2]]
+    assert all(torch.equal(d, s) for d, s in zip(dst, src))
+    assert torch.uint32 not in FOREACH_COPY_DTYPES and torch.bfloat16 in FOREACH_COPY_DTYPES

@@ -86,16 +86,23 @@ def test_pinned_upload_equals_the_file_and_the_pageable_path(processor):
 
 
 def test_staged_copy_waits_for_each_buffer_behind_a_slow_stream():
-    """Small buffers and a stream held up by a sleep kernel: the copies lag far behind the host, which
-    must wait before it rewrites a buffer; any buffer rewritten early would show as wrong bytes."""
+    """Small buffers and a stream held up by sleep kernels, one ahead of the copies and one before each copy:
+    the copies lag behind the host at every reuse of a buffer, which it must wait for before rewriting it; a
+    buffer rewritten early would show as wrong bytes."""
     from fastpipe.weights import upload as staging
+
+    class SlowCopies(staging.CudaCopies):
+        def copy(self, dst, src):
+            torch.cuda._sleep(200_000)     # ~0.1 ms on the stream before each copy
+            super().copy(dst, src)
 
     g = torch.Generator().manual_seed(3)
     srcs = [torch.randn(n, generator=g).to(dt) for n, dt in
             [(70_001, torch.float32), (3, torch.bfloat16), (250_000, torch.float16), (0, torch.float32),
              (1 << 20, torch.float32), (17, torch.int64)]]
+    dev = torch.device("cuda:0")
     torch.cuda._sleep(50_000_000)          # ~25 ms of nothing on the current stream, ahead of the copies
-    outs, staged = staging.upload(iter(srcs), torch.device("cuda:0"), chunk_bytes=64 << 10, buffers=2,
+    outs, staged = staging.upload(iter(srcs), dev, queue=SlowCopies(dev), chunk_bytes=64 << 10, buffers=2,
                                   total_bytes=sum(t.nbytes for t in srcs))
     assert staged == sum(t.nbytes for t in srcs)
     for s, o in zip(srcs, outs):

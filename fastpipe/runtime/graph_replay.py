@@ -232,14 +232,22 @@ class GraphReplay:
         return fresh
 
 
+# dtypes the one-launch CUDA path of torch._foreach_copy_ takes (torch 2.11-2.13): the others (uint16/32/64,
+# complex32, float8_e8m0fnu, float4) raise NotImplementedError there once every tensor is dense; they copy alone
+FOREACH_COPY_DTYPES = frozenset(getattr(torch, n) for n in (
+    "float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "bool", "complex64",
+    "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
+
+
 def copy_grouped(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """dst[i].copy_(src[i], non_blocking=True) for every i: one torch._foreach_copy_ (torch_compat.foreach_copy_)
-    per group of pairs on one device with one dtype, the same shape and both sides contiguous (its one-launch path
-    on CUDA); any other pair (a host tensor to the device, a dtype conversion, a strided view) by its own copy_."""
+    per group of pairs on one device with one dtype of FOREACH_COPY_DTYPES, the same shape and both sides contiguous
+    (its one-launch path on CUDA); any other pair (a host tensor to the device, a dtype conversion, a strided view,
+    a dtype that path lacks) by its own copy_."""
     groups: dict[tuple, tuple[list, list]] = {}
     for d, s in zip(dst, src):
-        if d.device == s.device and d.dtype == s.dtype and d.shape == s.shape and d.is_contiguous() \
-                and s.is_contiguous():
+        if d.device == s.device and d.dtype == s.dtype and d.dtype in FOREACH_COPY_DTYPES and d.shape == s.shape \
+                and d.is_contiguous() and s.is_contiguous():
             ds, ss = groups.setdefault((d.device, d.dtype), ([], []))
             ds.append(d)
             ss.append(s)
