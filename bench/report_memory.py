@@ -14,12 +14,12 @@ load    A checkpoint of --mb MiB (16 matrices, --dtype) and a pipeline whose con
         safetensors.torch.load_file(path, device=device); on a GPU fastpipe twice: its default upload
         (upload="pinned": pinned staging buffers, reading the file while the copy engine copies) and
         upload="pageable" (.to(device) per tensor, as safetensors does), the columns "pageable ratio"
-        (its time / safetensors') and "pinned / pageable" (what the staging buys). Both end with every byte resident on the
-        device: on a GPU both copy every tensor there and the timer stops after
+        (its time / safetensors') and "pinned / pageable" (what the staging buys). Both end with every
+        byte resident on the device: on a GPU both copy every tensor there and the timer stops after
         torch.cuda.synchronize(); on the CPU both are lazy mmap views, so both then read every byte
         (a sum, as report_foundation does). "cold" drops the file from the page cache
         (posix_fadvise DONTNEED) before each timed call, "warm" reads it from the page cache. Each
-        side is loaded once untimed first (imports, CUDA context); then --rounds rounds, the two
+        side is loaded once untimed first (imports, CUDA context); then --rounds rounds, the
         sides alternating; medians, the ratio fastpipe / safetensors of the same run, and bytes/s
         (tensor bytes / median time). Between calls everything is freed (del, gc,
         torch.cuda.empty_cache). The file system of the folder is reported: on a tmpfs "cold" is
@@ -86,8 +86,8 @@ import tempfile
 import time
 import traceback
 import warnings
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -497,22 +497,28 @@ def _inputs(seed):
     return ins
 
 
-@pytest.mark.parametrize("grouped", [True, False])
-def test_replay_copies_in_and_out_one_launch_per_dtype_group(fake, monkeypatch, grouped):
-    """A replay copies its inputs in and its outputs out with one torch._foreach_copy_ per (device, dtype) group of
-    contiguous tensors (a single tensor, or a strided one, by its own copy_), not a copy per tensor; the results are
-    what fn gives, and the outputs are fresh tensors every call. grouped_copies=False: a copy per tensor."""
+@pytest.fixture
+def foreach_launches(monkeypatch) -> list:
+    """Each torch._foreach_copy_ call from here on, as [its dtypes..., how many pairs]."""
     real, launches = torch._foreach_copy_, []
 
     def spy(dst, src, non_blocking=False):
         launches.append(sorted({str(t.dtype) for t in dst}) + [len(dst)])
         return real(dst, src, non_blocking=non_blocking)
     monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    return launches
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_replay_copies_in_and_out_one_launch_per_dtype_group(fake, foreach_launches, grouped):
+    """A replay copies its inputs in and its outputs out with one torch._foreach_copy_ per (device, dtype) group of
+    contiguous tensors (a single tensor, or a strided one, by its own copy_), not a copy per tensor; the results are
+    what fn gives, and the outputs are fresh tensors every call. grouped_copies=False: a copy per tensor."""
     calls = []
     r = GraphReplay(many(fake, calls), CPU)
     r.grouped_copies = grouped
     assert r.capture(_inputs(0))
-    launches.clear()
+    foreach_launches.clear()
     seen = []
     for seed in (1, 2):
         ins = _inputs(seed)
@@ -524,26 +530,20 @@ def test_replay_copies_in_and_out_one_launch_per_dtype_group(fake, monkeypatch, 
         assert torch.equal(out["out_t"], ins["f0"][:6].reshape(3, 2).t()) and out["out_t"].stride() == (1, 2)
     assert torch.equal(seen[0]["out_f0"], _inputs(1)["f0"] + 1)     # call 2 left call 1's outputs as they were
     if grouped:   # per call: in, float32 (4) and int64 (2); out, float32 (4) and int64 (2); float64 alone
-        assert launches == [["torch.float32", 4], ["torch.int64", 2]] * 4
+        assert foreach_launches == [["torch.float32", 4], ["torch.int64", 2]] * 4
     else:
-        assert launches == []
+        assert foreach_launches == []
     assert len(calls) == 2 and r.replays == 2
 
 
-def test_grouped_copies_leave_dtypes_the_one_launch_path_lacks_to_their_own_copy(monkeypatch):
+def test_grouped_copies_leave_dtypes_the_one_launch_path_lacks_to_their_own_copy(foreach_launches):
     """uint32 (and the other dtypes CUDA's one-launch foreach copy lacks: it raises NotImplementedError there) is
     copied pair by pair; float32 beside it still goes as one group."""
     from fastpipe.runtime.graph_replay import FOREACH_COPY_DTYPES, copy_grouped
 
-    real, launches = torch._foreach_copy_, []
-
-    def spy(dst, src, non_blocking=False):
-        launches.append(sorted({str(t.dtype) for t in dst}) + [len(dst)])
-        return real(dst, src, non_blocking=non_blocking)
-    monkeypatch.setattr(torch, "_foreach_copy_", spy)
     src = [torch.arange(4).to(torch.uint32), (torch.arange(3) + 7).to(torch.uint32), torch.randn(5), torch.randn(2)]
     dst = [torch.empty_like(t) for t in src]
     copy_grouped(dst, src)
-    assert launches == [["torch.float32", 2]]
+    assert foreach_launches == [["torch.float32", 2]]
     assert all(torch.equal(d, s) for d, s in zip(dst, src))
     assert torch.uint32 not in FOREACH_COPY_DTYPES and torch.bfloat16 in FOREACH_COPY_DTYPES

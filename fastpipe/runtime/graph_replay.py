@@ -20,8 +20,8 @@ Copies. A replay's copies go in one launch per group of tensors that share a dev
 and are contiguous on both sides (torch._foreach_copy_, as inductor's cudagraph trees copy their
 inputs), not one launch per tensor: a decode step with its ids and 16 KV tensors in, its logits
 and 16 KV tensors out (bf16) makes 3 copy launches a call, not 35 (`grouped_copies=False` on a
-replay: one per tensor, what bench/report_runtime.py compares). A pair of another kind (a host tensor copied in, a
-dtype converted) is copied alone.
+replay: one per tensor, what bench/report_runtime.py compares). A pair of another kind (a host
+tensor copied in, a dtype converted, a dtype the one-launch path lacks) is copied alone.
 
 Outputs. Each call's outputs are clones of the graph's static outputs, so they stay valid (and
 unchanged) after later calls. `alias_outputs=True` hands out the static outputs themselves: valid

@@ -28,6 +28,7 @@
 """
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 import weakref
@@ -111,22 +112,17 @@ class WeightStore:
     def load(self, ref: ParamRef, shape: tuple[int, ...], dtype: torch.dtype, *, where: str,
              trust_export: bool = False, device: torch.device | None = None) -> torch.Tensor:
         """The checked slice as a dense CPU tensor, shared with every other holder of the same slice;
-        with a `device` other than the CPU, its copy there, shared the same way (sessions over one store
-        hold one copy of a weight per device, and their graphs see the same constant objects)."""
-        key, opened, placements, dtype = self._checked(ref, shape, dtype, where=where, trust_export=trust_export)
-        skey = (key, ref.name, placements, dtype)
-        cpu = lambda: self._read(opened, ref, placements, dtype, where)  # noqa: E731
-        if device is None or torch.device(device).type == "cpu":
-            return self._shared(self._slices, skey, cpu, "slice_hits", "slice_misses")
-        # a hit on the device reads nothing (the CPU slice may be long gone)
-        return self._shared(self._on_device, (skey, str(device)),
-                            lambda: self._shared(self._slices, skey, cpu, "slice_hits", "slice_misses").to(device),
-                            "device_hits", "device_copies")
+        with a `device` other than the CPU, its copy there (``.to(device)``), shared the same way (sessions
+        over one store hold one copy of a weight per device, and their graphs see the same constant
+        objects). One request of load_many."""
+        return self.load_many([(ref, shape, dtype, where, trust_export)], "cpu" if device is None else device,
+                              upload="pageable")[0]
 
     def load_many(self, requests, device: torch.device, *, upload: str = "pinned") -> list[torch.Tensor]:
-        """What ``load(ref, shape, dtype, where=..., trust_export=..., device=device)`` returns for each
-        request ``(ref, shape, dtype, where, trust_export)``, every check made before any byte is read. The
-        slices not yet on `device` go there together: with ``upload="pinned"`` on a CUDA device through
+        """For each request ``(ref, shape, dtype, where, trust_export)`` its checked slice: on the CPU a dense
+        tensor shared with every other holder of the same slice, on another device its copy there, shared the
+        same way. Every request is checked before any byte is read. The slices not yet on `device` go there
+        together: with ``upload="pinned"`` on a CUDA device through
         pinned staging buffers that overlap reading the file with the copies (fastpipe.weights.upload; a
         RuntimeWarning says so where pinned memory cannot be had, and they go as "pageable"), with
         "pageable" by ``.to(device)`` one after another. Every copy is done on return."""
@@ -168,10 +164,7 @@ class WeightStore:
     @staticmethod
     def _nbytes(checked) -> int:
         _, _, placements, dtype = checked
-        n = 1
-        for s, e in placements:
-            n *= e - s
-        return n * dtype.itemsize
+        return math.prod(e - s for s, e in placements) * dtype.itemsize
 
     def _to_device(self, slices, device: torch.device, upload: str, total: int) -> list[torch.Tensor]:
         """The copies on `device` of the host tensors `slices` yields (an iterator, read once)."""
