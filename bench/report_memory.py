@@ -39,8 +39,8 @@ memory  A random Llama-family checkpoint (bench.generation_cases.make_model; --l
           constants (measured): memory_allocated growth over the load (weights moved there;
               the region processor's merged shard weights included);
           load peak: max_memory_allocated during the load, over what was allocated before it (the
-              region processor merges shard weights on the device after they arrive, so its shards
-              and their merged copy are there at once until the shards go: up to twice the weights);
+              region processor merges shard weights on the device after they arrive, group by group,
+              each group's shards going as it is merged: its weights plus the largest group);
           inputs: the caller's input tensors on the GPU (allocated before the run: in every
               "allocated" column below, not in the plan);
           allocated at start: memory_allocated right before the run: constants + inputs + what

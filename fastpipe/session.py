@@ -90,9 +90,8 @@ class Session:
         self._in_place = self.state if opts.state_in_place else {}
         self.compile_report = None
         self._nothing_to_compile = False
-        self._processor = self._make_processor()
-        self._binder.forget_constants()
-        self.store.substitute(getattr(self._processor, "rebound", ()))   # merged weights (region processor)
+        self._binder.forget_constants()          # the steps hold their constants: the region processor's
+        self._processor = self._make_processor()  # merges then free each group's shards (region_passes)
 
     def _make_processor(self):
         opts = self.run_options
@@ -118,7 +117,7 @@ class Session:
                                    compile_policy=opts.compile_policy, cuda_graph=opts.cuda_graph,
                                    merge_shards=opts.merge_shards,
                                    opaque_groups={d.group for d in self.fusion if d.fused}, state=self._in_place,
-                                   graph_pool=opts.graph_pool)
+                                   graph_pool=opts.graph_pool, substitute=self.store.substitute)
         return ReferenceProcessor(self.program)
 
     def _compiled(self) -> dict:

@@ -570,3 +570,93 @@ def test_llama_tp2_region_merges_its_gemms_and_equals_the_reference(llama_tp2):
         torch.testing.assert_close(got_on[k], want[k], rtol=1e-5, atol=1e-5)
     # and the unsplit Hugging Face model itself
     assert hf.assert_outputs_match(on, got_on, hf.hf_reference(model, "llama", ins, past)) > 0
+
+
+# ------------------------------------------------------------------------------------------ 7. shards go as merged
+def test_on_merge_hears_of_each_group_once_its_shards_left_the_module():
+    """optimize(on_merge=...): per merged group, once, after the group's shard buffers and their nodes
+    left the module (the caller can then let them go); nothing collects in report.pieces."""
+    K = 8
+    ws = {f"w{i}": rnd(4, K, seed=40 + i) for i in range(4)}           # w0, w1: columns of x; w2, w3: rows
+
+    def build(g, get):
+        x, a0, a1 = g.placeholder("x"), g.placeholder("a0"), g.placeholder("a1")
+        y = call(g, aten.cat.default, [mm(g, x, get("w0")), mm(g, x, get("w1"))], 1)
+        return [y, fold(g, [mm(g, a0, get("w2")), mm(g, a1, get("w3"))])]
+
+    args = (rnd(3, K, seed=50), rnd(3, K, seed=51), rnd(3, K, seed=52))
+    before = run(module(ws, build), *args)
+    gm = module(ws, build)
+    heard = []
+
+    def on_merge(pieces):
+        names = {k for k, t in ws.items() if any(t is w for w, *_ in pieces)}
+        assert names and not any(t is ws[k] for k in names for _, t in gm.named_buffers())
+        assert not any(n.op == "get_attr" and n.target in names for n in gm.graph.nodes)
+        heard.append([(dim, off, [k for k, t in ws.items() if t is w]) for w, _, dim, off in pieces])
+
+    rep = optimize(gm, on_merge=on_merge)
+    assert heard == [[(0, 0, ["w0"]), (0, 4, ["w1"])], [(1, 0, ["w2"]), (1, 8, ["w3"])]]
+    assert rep.merged == 2 and rep.pieces == []
+    assert buffers(gm) == used_attrs(gm) == {"merged_cols_0", "merged_rows_0"}
+    for a, b in zip(run(gm, *args), before):
+        close(a, b, 1e-5)
+
+
+def _load_watching_merges(monkeypatch, path, **kw):
+    """(session, at each concatenation how many shards of the groups merged before it were still alive,
+    weakrefs to every shard merged): the spies hold no shard themselves."""
+    import weakref
+
+    from fastpipe.runtime import region_passes
+
+    refs, alive_at_concat = [], []
+    concat, optimize_ = region_passes.concat_weights, region_passes.optimize
+
+    def concat_spy(ws, dim):
+        alive_at_concat.append(sum(r() is not None for r in refs))
+        return concat(ws, dim)
+
+    def optimize_spy(gm, *, merge=True, on_merge=None):
+        def heard(pieces):              # a group's shards, once it is merged (its bias too)
+            on_merge(pieces)
+            refs.extend(weakref.ref(w) for w, *_ in pieces)
+
+        return optimize_(gm, merge=merge, on_merge=heard)
+
+    monkeypatch.setattr(region_passes, "concat_weights", concat_spy)
+    monkeypatch.setattr(region_passes, "optimize", optimize_spy)
+    return fastpipe.load(path, processor="region", **kw), alive_at_concat, refs
+
+
+def test_region_load_frees_each_groups_shards_before_the_next_merge(monkeypatch, llama_tp2):
+    """On a device, the shards and their merged weights used to be held together for the session's life
+    (twice its weights): each group's shards must be gone (no cycle: no gc) before the next group is
+    concatenated, and none is left after the load; the run still equals the unmerged one."""
+    _, _, path = llama_tp2
+    on, alive_at_concat, refs = _load_watching_merges(monkeypatch, path)
+    assert len(alive_at_concat) >= 6 and on.runner.passes.merged >= 10
+    assert alive_at_concat == [0] * len(alive_at_concat)
+    assert refs and all(r() is None for r in refs)
+    assert on.runner.rebound == len(refs)
+    check_constants_are_region_buffers(on)
+    off = fastpipe.load(path, processor="region", merge_shards=False)
+    ins = fresh_inputs(off, 3)
+    for k, v in off.run(ins).items():
+        torch.testing.assert_close(on.run(ins)[k], v, rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_session_over_the_store_gets_the_merged_weights(monkeypatch):
+    """With the shards gone, a later session over the same store is handed the views of the merged
+    weights (WeightStore.substitute, told as each group is merged) and so shares the merged weights."""
+    from fastpipe.weights import WeightStore
+
+    path = GRAPHS / "tp_mlp" / "pipeline.json"
+    store = WeightStore()
+    a, alive_at_concat, refs = _load_watching_merges(monkeypatch, path, store=store)
+    assert alive_at_concat == [0] * len(alive_at_concat) and all(r() is None for r in refs)
+    b = fastpipe.load(path, processor="region", store=store)
+    merged_a = {n: t for n, t in region_gm(a).named_buffers() if n.startswith("merged_")}
+    merged_b = {n: t for n, t in region_gm(b).named_buffers() if n.startswith("merged_")}
+    assert merged_a and merged_a.keys() == merged_b.keys()
+    assert all(merged_a[n] is merged_b[n] for n in merged_a)

@@ -107,3 +107,31 @@ def test_staged_copy_waits_for_each_buffer_behind_a_slow_stream():
     assert staged == sum(t.nbytes for t in srcs)
     for s, o in zip(srcs, outs):
         assert o.device.type == "cuda" and torch.equal(o.cpu(), s)
+
+
+def test_region_session_holds_its_weights_once():
+    """The region processor merges shard matmuls into one weight each. The shards used to stay on the GPU
+    beside their merged weights for the session's life (twice its weights); now it holds each weight once,
+    and the load's peak is its weights plus at most one merged group (each group's shards go as it is merged)."""
+    path = GRAPHS / "tp_mlp" / "pipeline.json"
+    dm = {s: "cuda:0" for s in fastpipe.load(path).pipeline.devices}
+    host = fastpipe.load(path, store=WeightStore())
+    weights = sum(t.nbytes for t in {id(t): t for steps in host.program.steps.values() for st in steps
+                                     for t in st.constants.values()}.values())
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    s = fastpipe.load(path, device_map=dm, store=WeightStore(), processor="region", fuse="off")
+    held, peak = torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base
+    groups = sorted(b.nbytes for n, b in s.runner.runs[0].gm.named_buffers() if n.startswith("merged_"))
+    assert s.runner.passes.merged >= 3 and sum(groups) >= 0.9 * weights     # nearly every weight was merged
+    slack = 64 << 10                                                          # the allocator's 512-byte rounding
+    assert weights <= held <= weights + slack, (held, weights)
+    assert peak <= weights + groups[-1] + groups[-2] + slack, (peak, weights, groups)   # a weight + its bias
+    x = {n: torch.randn(s.pipeline.tensors[n].shape) for n in s.input_names}
+    want = host.run(x)
+    for k, v in s.run({n: t.to("cuda:0") for n, t in x.items()}).items():
+        torch.testing.assert_close(v.cpu(), want[k], rtol=1e-4, atol=1e-4)
+    s.close()

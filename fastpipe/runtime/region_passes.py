@@ -1,6 +1,7 @@
 """Passes over a stitched region graph (fastpipe.runtime.region_graph), run before it is compiled.
 
     report = optimize(gm, merge=True)       # in place; report.cse, report.merged, report.pieces
+    optimize(gm, on_merge=rebind)           # rebind(pieces) per merged group, as it is made
 
 cse            nodes that compute the same pure op on the same arguments become one. The slots of a
                tensor-parallel split replicate work (norms, residual adds, rotary tables, the views of
@@ -17,14 +18,20 @@ merge shards   matmuls that the split cut into shards become one GEMM again, on 
                One device then runs the unsplit model's GEMM shapes. Results equal the split ones
                within the dtype's rounding (one f32-accumulated GEMM instead of partial GEMMs summed
                in f32). The concatenated weights replace their shards in the region; the caller
-               rebinds the steps' shard constants to views of them (`report.pieces`), so weight
-               memory does not grow.
+               rebinds the steps' shard constants to views of them, so weight memory does not grow.
+               Each group's shards leave the graph as soon as their merged weight is made (their
+               nodes, and the buffers no node reads any more), and `on_merge(pieces)` hears of the
+               group then: a caller that rebinds there and keeps no shard lets each group's shards go
+               before the next group is concatenated, so a load holds at most one group twice (on a
+               GPU: its weights plus one group's, not twice its weights). Without on_merge the pieces
+               collect in `report.pieces` (which keeps every shard until the report goes).
 """
 from __future__ import annotations
 
 import operator
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -45,14 +52,20 @@ class PassReport:
     pieces: list = field(default_factory=list)   # (shard tensor, merged tensor, dim, offset)
 
 
-def optimize(gm: fx.GraphModule, *, merge: bool = True) -> PassReport:
+Pieces = list            # [(shard tensor, merged tensor, dim, offset)]: one merged group's shards
+
+
+def optimize(gm: fx.GraphModule, *, merge: bool = True, on_merge: Callable[[Pieces], None] | None = None) -> PassReport:
+    """cse, then (merge) the shard merges, in place. on_merge(pieces): called once per merged group,
+    right after its shards left the graph (see the module docstring); None: they go to report.pieces."""
     rep = PassReport()
     if any(_mutates(n) for n in gm.graph.nodes):
         return rep
     rep.cse += cse(gm.graph)
     if merge:
-        _merge_columns(gm, rep)
-        _merge_rows(gm, rep)
+        report_to = on_merge if on_merge is not None else rep.pieces.extend
+        _merge_columns(gm, rep, report_to)
+        _merge_rows(gm, rep, report_to)
         rep.cse += cse(gm.graph)
     gm.graph.eliminate_dead_code()
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
@@ -161,12 +174,11 @@ def _weight_node(graph, gm, w: torch.Tensor, hint: str, form) -> fx.Node:
     return graph.call_function(aten.view.default, (graph.call_function(aten.expand.default, (wt, size)), size))
 
 
-def _merge_columns(gm: fx.GraphModule, rep: PassReport) -> None:
+def _merge_columns(gm: fx.GraphModule, rep: PassReport, on_merge: Callable[[Pieces], None]) -> None:
     """mm(x, t(W_i)) for several shards W_i of one x -> one mm on cat(W_i, 0); each shard's result
     is a column slice (its view users become reshapes: a column slice is not contiguous)."""
-    graph = gm.graph
     groups: dict = {}
-    for node in graph.nodes:
+    for node in gm.graph.nodes:
         if _call(node, aten.mm.default):
             lin = _linear(gm, node)
             if lin is not None:
@@ -177,38 +189,48 @@ def _merge_columns(gm: fx.GraphModule, rep: PassReport) -> None:
             if (bias is not None and bias.dim() == 1 and _call(wt, aten.t.default)
                     and _weight(gm, wt.args[0]) is not None):
                 groups.setdefault((x, "bias"), []).append((node, wt.args[0], b))
-    for (x, kind), members in groups.items():
-        if len(members) < 2:
-            continue
-        ws = [_weight(gm, m[1]) for m in members]
-        if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1:
-            continue
-        x = members[0][0].args[0 if kind is None else 1]   # x may be an earlier group's shard result: now its slice
-        merged = concat_weights(ws, 0)
-        with graph.inserting_before(members[0][0]):
-            wt = _weight_node(graph, gm, merged, "merged_cols", "mm")
-            if kind == "bias":
-                biases = [_attr(gm, m[2]) for m in members]
-                bias = concat_weights(biases, 0)
-                boff = 0
-                for b in biases:
-                    rep.pieces.append((b, bias, 0, boff))
-                    boff += b.shape[0]
-                y = graph.call_function(aten.addmm.default, (graph.get_attr(_register(gm, bias, "merged_bias")), x, wt))
-            else:
-                y = graph.call_function(aten.mm.default, (x, wt))
-        off = 0
-        for (node, _, *rest), w in zip(members, ws):
-            with graph.inserting_after(node):
-                piece = graph.call_function(aten.slice.Tensor, (y, 1, off, off + w.shape[0]))
-            node.replace_all_uses_with(piece)
-            for user in list(piece.users):
-                if _call(user, aten.view.default, aten._unsafe_view.default):
-                    user.target = aten.reshape.default
-            rep.pieces.append((w, merged, 0, off))
-            off += w.shape[0]
-            graph.erase_node(node)
-        rep.merged += len(members) - 1
+    for (_, kind), members in groups.items():
+        if len(members) >= 2:
+            _merge_column_group(gm, kind, members, rep, on_merge)
+
+
+def _merge_column_group(gm, kind, members, rep: PassReport, on_merge) -> None:
+    """One column group (a function of its own: no shard outlives it in a local)."""
+    graph = gm.graph
+    ws = [_weight(gm, m[1]) for m in members]
+    if len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1:
+        return
+    x = members[0][0].args[0 if kind is None else 1]   # x may be an earlier group's shard result: now its slice
+    merged = concat_weights(ws, 0)
+    pieces = []
+    with graph.inserting_before(members[0][0]):
+        wt = _weight_node(graph, gm, merged, "merged_cols", "mm")
+        if kind == "bias":
+            biases = [_attr(gm, m[2]) for m in members]
+            bias = concat_weights(biases, 0)
+            boff = 0
+            for b in biases:
+                pieces.append((b, bias, 0, boff))
+                boff += b.shape[0]
+            y = graph.call_function(aten.addmm.default, (graph.get_attr(_register(gm, bias, "merged_bias")), x, wt))
+        else:
+            y = graph.call_function(aten.mm.default, (x, wt))
+    off = 0
+    inputs = []
+    for (node, *_), w in zip(members, ws):
+        with graph.inserting_after(node):
+            piece = graph.call_function(aten.slice.Tensor, (y, 1, off, off + w.shape[0]))
+        node.replace_all_uses_with(piece)
+        for user in list(piece.users):
+            if _call(user, aten.view.default, aten._unsafe_view.default):
+                user.target = aten.reshape.default
+        pieces.append((w, merged, 0, off))
+        off += w.shape[0]
+        inputs += node.all_input_nodes
+        graph.erase_node(node)
+    rep.merged += len(members) - 1
+    _drop_dead(gm, inputs)
+    on_merge(pieces)
 
 
 def _chain(gm, p: fx.Node):
@@ -241,37 +263,60 @@ def _leads_to_linear(gm, p) -> bool:
     return _linear(gm, p) is not None
 
 
-def _merge_rows(gm: fx.GraphModule, rep: PassReport) -> None:
+def _merge_rows(gm: fx.GraphModule, rep: PassReport, on_merge: Callable[[Pieces], None]) -> None:
     """fold_sum(x_i @ W_i.T, ...) over K-shards -> cat(x_i) @ cat(W_i, 1).T (+ the members' biases)."""
+    for fold in list(gm.graph.nodes):
+        if fold.op == "call_function" and fold.target is local.fold and fold.args[1] == "sum":
+            _merge_row_group(gm, fold, rep, on_merge)
+
+
+def _merge_row_group(gm, fold: fx.Node, rep: PassReport, on_merge) -> None:
+    """One row group (a function of its own: no shard outlives it in a local)."""
     graph = gm.graph
-    for fold in list(graph.nodes):
-        if not (fold.op == "call_function" and fold.target is local.fold and fold.args[1] == "sum"):
+    chains = [_chain(gm, p) for p in fold.args[0]]
+    if any(c is None for c in chains) or len(chains) < 2:
+        return
+    forms = {c[1][2] for c in chains}
+    views = {c[2] for c in chains}
+    ws = [_weight(gm, c[1][1]) for c in chains]
+    if len(forms) != 1 or len(views) != 1 or len({(w.shape[0], w.dtype, w.device) for w in ws}) != 1:
+        return
+    form, view = forms.pop(), views.pop()
+    merged = concat_weights(ws, 1)
+    with graph.inserting_before(fold):
+        x = graph.call_function(aten.cat.default, ([c[1][0] for c in chains], 1 if form == "mm" else 2))
+        w = _weight_node(graph, gm, merged, "merged_rows", form)
+        out = graph.call_function(aten.mm.default if form == "mm" else aten.bmm.default, (x, w))
+        if view is not None:
+            out = graph.call_function(view[0], (out, list(view[1])))
+        for c in chains:
+            for a in c[3]:
+                out = graph.call_function(aten.add.Tensor, (out, a))
+    fold.replace_all_uses_with(out)
+    pieces, off = [], 0
+    for w in ws:
+        pieces.append((w, merged, 1, off))
+        off += w.shape[1]
+    rep.merged += len(chains) - 1
+    _drop_dead(gm, [fold])
+    on_merge(pieces)
+
+
+def _drop_dead(gm: fx.GraphModule, nodes) -> None:
+    """Erase each of `nodes` that nothing uses any more, and then what only it used (pure nodes only), and
+    the buffers of the erased get_attr nodes (optimize's cse left one get_attr node per buffer): a merged
+    group's shard weights leave the graph at once."""
+    graph, erased, work = gm.graph, set(), list(nodes)
+    while work:
+        n = work.pop()
+        if n in erased or n.users or not _pure(n):
             continue
-        chains = [_chain(gm, p) for p in fold.args[0]]
-        if any(c is None for c in chains) or len(chains) < 2:
-            continue
-        forms = {c[1][2] for c in chains}
-        views = {c[2] for c in chains}
-        ws = [_weight(gm, c[1][1]) for c in chains]
-        if len(forms) != 1 or len(views) != 1 or len({(w.shape[0], w.dtype, w.device) for w in ws}) != 1:
-            continue
-        form, view = forms.pop(), views.pop()
-        merged = concat_weights(ws, 1)
-        with graph.inserting_before(fold):
-            x = graph.call_function(aten.cat.default, ([c[1][0] for c in chains], 1 if form == "mm" else 2))
-            w = _weight_node(graph, gm, merged, "merged_rows", form)
-            out = graph.call_function(aten.mm.default if form == "mm" else aten.bmm.default, (x, w))
-            if view is not None:
-                out = graph.call_function(view[0], (out, list(view[1])))
-            for c in chains:
-                for a in c[3]:
-                    out = graph.call_function(aten.add.Tensor, (out, a))
-        fold.replace_all_uses_with(out)
-        off = 0
-        for w in ws:
-            rep.pieces.append((w, merged, 1, off))
-            off += w.shape[1]
-        rep.merged += len(chains) - 1
+        work += n.all_input_nodes
+        if n.op == "get_attr":          # after cse, the one node of its target
+            owner, _, name = n.target.rpartition(".")
+            delattr(attr_of(gm, owner) if owner else gm, name)
+        graph.erase_node(n)
+        erased.add(n)
 
 
 _CONCATS: dict = {}      # (shard ids, dim) -> (weakref to the merged tensor, weakrefs to the shards)

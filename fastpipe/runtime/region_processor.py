@@ -80,11 +80,16 @@ class _RegionRun:
 class RegionProcessor:
     def __init__(self, program: Program, groups: Mapping, *, compile: bool = False, compile_policy: str = "warn",
                  cuda_graph: bool = True, merge_shards: bool = True, opaque_groups=(),
-                 state: Mapping[str, str] | None = None, graph_pool=None):
+                 state: Mapping[str, str] | None = None, graph_pool=None,
+                 substitute: Callable[[list], None] | None = None):
         """`groups`: the checked comm groups (kind, params); `opaque_groups`: groups whose bound
         callable must run as is (fused kernels) instead of their one-device function; `state`: input ->
         its updated output, written into the input's tensor in the graph (fastpipe.runtime.state);
-        `graph_pool`: a fastpipe.runtime.graph_replay.GraphPool for the CUDA graph (None: its own)."""
+        `graph_pool`: a fastpipe.runtime.graph_replay.GraphPool for the CUDA graph (None: its own);
+        `substitute`: told [(shard, view of its merged weight)] as each merged group is made (a
+        WeightStore's substitute: later sessions loading the shards get the views), before the shards go.
+        The Program's steps must be the only other holders of their constants (the Session drops
+        its Binder's first), so that each group's shards are freed as soon as it is merged."""
         from fastpipe.runtime.region_graph import stitch
         from fastpipe.runtime.region_passes import PassReport, optimize
 
@@ -102,7 +107,8 @@ class RegionProcessor:
                                                 else local.group_fn(g.kind, g.params, len(unit)))
         self.runs: list[_RegionRun] = []
         self.passes = PassReport()
-        self.rebound: list = []         # (shard tensor, the view of a merged weight that replaces it)
+        self.rebound = 0                # shard constants replaced by views of a merged weight
+        self._substitute = substitute
         self.state = dict(state or {})
         self._state_outputs = frozenset(self.state.values())
         self.in_place = 0               # state updates written by an in-place op (the rest: a copy_ at the end)
@@ -111,8 +117,7 @@ class RegionProcessor:
                 self.runs.append(_RegionRun(r, None))
                 continue
             gm = stitch(program, r, self.group_fns)
-            rep = optimize(gm, merge=merge_shards)
-            self._rebind(r, rep.pieces)
+            rep = optimize(gm, merge=merge_shards, on_merge=self._rebinder(r))
             self.in_place += self._state_in_place(r, gm)
             self.passes.cse += rep.cse
             self.passes.merged += rep.merged
@@ -138,26 +143,41 @@ class RegionProcessor:
                  if i in r.reads and o in r.writes]
         return write_in_place(gm, pairs) if pairs else 0
 
-    def _rebind(self, r: Region, pieces) -> None:
-        """Shard constants that a merged weight replaced become views of it in the region's steps
-        (their eager form, for locating failures), so the shards' own memory can go; `rebound` lists
-        (shard, view) for the session to hand to its WeightStore, so that later sessions loading
-        the same shards get the views, and with them the same merged weight."""
+    def _rebinder(self, r: Region) -> Callable[[list], None]:
+        """on_merge for region r's passes: the shard constants of each merged group become views of
+        its merged weight in the region's steps (their eager form, for locating failures) and in the
+        substitute's store, so that no reference to a shard is left and its memory goes before the
+        next group is concatenated. Later sessions loading the same shards get the views, and with
+        them the same merged weight (remember_concat)."""
         from fastpipe.runtime.region_passes import remember_concat
 
-        view, groups = {}, {}
-        for w, merged, dim, off in pieces:
-            if id(w) not in view:
-                view[id(w)] = merged.narrow(dim, off, w.shape[dim])
-                self.rebound.append((w, view[id(w)]))
-            groups.setdefault((id(merged), dim), (merged, dim, []))[2].append(view[id(w)])
-        for merged, dim, views in groups.values():
-            remember_concat(views, dim, merged)
+        holders: dict[int, list] = {}           # id(constant) -> [(a step's constants, name)]
         for slot, i in r.steps:
             consts = self.program.steps[slot][i].constants
-            for name, t in list(consts.items()):
-                if id(t) in view:
-                    consts[name] = view[id(t)]
+            for name, t in consts.items():
+                holders.setdefault(id(t), []).append((consts, name))
+        done: dict[int, tuple] = {}             # id(shard) -> (weakref to it, its view): ids of dead shards recur
+
+        def rebind(pieces) -> None:
+            pairs, groups = [], {}
+            for w, merged, dim, off in pieces:
+                seen = done.get(id(w))
+                if seen is not None and seen[0]() is w:     # a shard in two groups keeps its first view
+                    v = seen[1]
+                else:
+                    v = merged.narrow(dim, off, w.shape[dim])
+                    done[id(w)] = (weakref.ref(w), v)
+                    pairs.append((w, v))
+                    for consts, name in holders.pop(id(w), ()):
+                        consts[name] = v
+                groups.setdefault((id(merged), dim), (merged, dim, []))[2].append(v)
+            for merged, dim, views in groups.values():
+                remember_concat(views, dim, merged)
+            self.rebound += len(pairs)
+            if self._substitute is not None:
+                self._substitute(pairs)
+
+        return rebind
 
     # ------------------------------------------------------------------ describing
     def describe_region(self, r: Region) -> str:
