@@ -3,7 +3,7 @@
     flatten_args({"input_ids": t, "past_key_values": [[k0, v0], [k1, v1]]})
         -> {"input_ids": t, "past_key_values_0_0": k0, "past_key_values_0_1": v0, ...}
     to_pipeline_inputs(pipeline, flat)      # each pipeline input = origin[placements] (on its slot)
-    assemble_outputs(pipeline, outputs)     # each original output from its slices
+    assemble_outputs(pipeline, outputs)     # each original output from its slices (device=: where; the CPU)
 
 Naming (SPEC): a whole argument keeps its name; an element of a nested list/tuple is
 `{name}_{i}_{j}...`. Replicated slices (several slots holding the same region, e.g. the
@@ -66,21 +66,24 @@ def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.T
 
 
 def assemble_outputs(p, outputs: Mapping[str, torch.Tensor], *, check_replicas: bool = False,
-                     only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
-    """Each original output from its slices. Which slice fills which part is worked out once per
-    pipeline (the placements are static); a run only copies. check_replicas: slices that overlap an
-    earlier one (replicas) must agree with it (slower: compares them). only: these original outputs
-    (e.g. the logits of a decode step, not its caches)."""
+                     only: Collection[str] | None = None, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """Each original output from its slices, a new tensor on `device` (None: the CPU). Which slice fills
+    which part is worked out once per pipeline (the placements are static); a run only copies.
+    check_replicas: slices that overlap an earlier one (replicas) must agree with it (slower: compares
+    them, on the CPU). only: these original outputs (e.g. the logits of a decode step, not its caches).
+    device: where the caller goes on with them (a generation engine: its GPU, so logits and caches
+    never cross to the host and back)."""
     if check_replicas:
         res = _assemble_checked(p, outputs)
-        return res if only is None else {k: v for k, v in res.items() if k in only}
+        return {k: v if device is None else v.to(device) for k, v in res.items() if only is None or k in only}
+    device = torch.device("cpu" if device is None else device)
     res: dict[str, torch.Tensor] = {}
     for origin, (shape, dtype, copies, missing) in _assembly_plan(p).items():
         if only is not None and origin not in only:
             continue
         if missing:
             raise RunError(f"run_model: {origin}: expected the output's slices to cover it, found {missing} elements missing")
-        out = torch.empty(shape, dtype=dtype)         # always a copy: the caller's to keep
+        out = torch.empty(shape, dtype=dtype, device=device)       # always a copy: the caller's to keep
         for tensor, placements in copies:
             (out if placements is None else _slice(out, placements)).copy_(outputs[tensor].detach())
         res[origin] = out

@@ -58,7 +58,9 @@ class ModelSet:
         self.buckets = [Bucket(load(p, store=self.store, **load_kwargs)) for p in pipelines]
         self._closed = False
 
-    def run_model(self, *, check_replicas: bool = False, **model_inputs: Any) -> dict[str, torch.Tensor]:
+    def run_model(self, *, check_replicas: bool = False, output_device=None, **model_inputs: Any) -> dict[str, torch.Tensor]:
+        """Session.run_model on the smallest bucket the inputs fit (padded to its batch; the outputs cut
+        back): outputs on the CPU, or on `output_device`."""
         if self._closed:
             raise InputError("run_model: the model set is closed")
         flat = flatten_args(model_inputs)
@@ -74,7 +76,7 @@ class ModelSet:
         with bucket.lock:
             sess = bucket.session
             outs = sess.run(to_pipeline_inputs(sess.pipeline, padded))
-            res = assemble_outputs(sess.pipeline, outs, check_replicas=check_replicas)
+            res = assemble_outputs(sess.pipeline, outs, check_replicas=check_replicas, device=output_device)
         return {n: t[:b] for n, t in res.items()}
 
     def warmup(self) -> None:

@@ -269,17 +269,18 @@ class Session:
             return results[0]
         return {n: torch.cat([r[n] for r in results], dim=0) for n in self.output_names}
 
-    def run_model(self, *, check_replicas: bool = False, **model_inputs) -> dict[str, torch.Tensor]:
+    def run_model(self, *, check_replicas: bool = False, output_device=None, **model_inputs) -> dict[str, torch.Tensor]:
         """Run with the ORIGINAL model's inputs (SPEC metadata): nested arguments are flattened by
         SPEC naming (`past_key_values_3_1`), each is sliced onto its slots, and each original
-        output is assembled from its slices (check_replicas: replicated slices must agree).
+        output is assembled from its slices (check_replicas: replicated slices must agree) on
+        `output_device` (None: the CPU, whatever device the slots are on).
         Returns a dict keyed by the original output names (e.g. `logits`)."""
         from fastpipe.model_io import assemble_outputs, flatten_args, to_pipeline_inputs
 
         outs = self.run(to_pipeline_inputs(self.pipeline, flatten_args(model_inputs)))
         if self.processor == "dist" and self.rank_plan.rank != 0:   # dist: outputs live on rank 0
             return {}
-        return assemble_outputs(self.pipeline, outs, check_replicas=check_replicas)
+        return assemble_outputs(self.pipeline, outs, check_replicas=check_replicas, device=output_device)
 
     def memory_report(self) -> dict[str, dict]:
         """Per device (its name): the plan's predicted peak ("predicted_peak_bytes": the slots' most

@@ -56,6 +56,26 @@ def test_run_model_equals_hf_with_nested_cache(llama, tmp_path):
                if k in out)                                           # copies, never the pipeline's tensors
 
 
+
+def test_outputs_are_assembled_on_the_device_asked_for(llama, tmp_path):
+    """assemble_outputs(device=) / run_model(output_device=): each output a new tensor there (the engine
+    keeps a GPU's logits and caches on it); the "meta" device stands in for a GPU here. Default: the CPU."""
+    folder, _ = llama
+    sess = fastpipe.load(build_hf(folder, tp=2, batch=1, seq_len=3).save(tmp_path / "o"))
+    ids = torch.randint(0, 100, (1, 3), generator=torch.Generator().manual_seed(2))
+    on_cpu = sess.run_model(input_ids=ids)
+    assert on_cpu and all(t.device.type == "cpu" for t in on_cpu.values())
+    outs = sess.run(to_pipeline_inputs(sess.pipeline, flatten_args({"input_ids": ids})))
+    for check in (False, True):
+        meta = assemble_outputs(sess.pipeline, outs, check_replicas=check, device="meta")
+        assert list(meta) == list(on_cpu)
+        for k, t in meta.items():
+            assert t.device.type == "meta" and (t.shape, t.dtype) == (on_cpu[k].shape, on_cpu[k].dtype), k
+    only = sess.run_model(input_ids=ids, output_device="meta")
+    assert list(only) == list(on_cpu) and all(t.device.type == "meta" for t in only.values())
+    logits = assemble_outputs(sess.pipeline, outs, only=("logits",), device="cpu")
+    assert list(logits) == ["logits"] and torch.equal(logits["logits"], on_cpu["logits"])
+
 def test_run_model_says_what_no_slice_covers(llama, tmp_path):
     import dataclasses
 
@@ -105,6 +125,8 @@ def test_buckets_share_weights_and_pad(buckets):
                                    rtol=1e-4, atol=1e-5)
         with pytest.raises(InputError, match=r"run_model: expected inputs fitting a bucket"):
             three.run_model(input_ids=torch.zeros(5, 6, dtype=torch.int64))
+        meta = three.run_model(input_ids=ids, output_device="meta")
+        assert meta["logits"].device.type == "meta" and meta["logits"].shape == (3, 6, 100)
 
 
 def test_region_buckets_share_merged_weights(buckets):

@@ -47,6 +47,53 @@ def test_committed_greedy_tokens_win_by_a_margin_no_device_rounding_can_flip(mon
     assert gap > 1e-4, gap                                        # 5.2e-4 when made (2026-11-25)
 
 
+
+def _watch_engine_devices(monkeypatch) -> dict:
+    """Where the engine assembles (the device asked of assemble_outputs and run_model), samples (the logits'
+    device) and takes caches from (KVState.admit's); each a list of what was seen."""
+    import fastpipe.generation.engine as engine_mod
+    from fastpipe.generation.kv_state import KVState
+    from fastpipe.session import Session
+
+    seen = {"assemble": [], "run_model": [], "sample": [], "admit": []}
+    assemble, run_model, sample, admit = engine_mod.assemble_outputs, Session.run_model, engine_mod.sample, KVState.admit
+
+    def assemble_spy(*a, device=None, **kw):
+        seen["assemble"].append(device)
+        return assemble(*a, device=device, **kw)
+
+    def run_model_spy(self, *, output_device=None, **kw):
+        seen["run_model"].append(output_device)
+        return run_model(self, output_device=output_device, **kw)
+
+    def sample_spy(logits, params, gens):
+        seen["sample"].append(logits.device)
+        return sample(logits, params, gens)
+
+    def admit_spy(self, row, caches, i):
+        seen["admit"] += [t.device for t in caches.values()]
+        return admit(self, row, caches, i)
+
+    monkeypatch.setattr(engine_mod, "assemble_outputs", assemble_spy)
+    monkeypatch.setattr(Session, "run_model", run_model_spy)
+    monkeypatch.setattr(engine_mod, "sample", sample_spy)
+    monkeypatch.setattr(KVState, "admit", admit_spy)
+    return seen
+
+
+def test_engine_assembles_logits_and_caches_where_the_decode_logits_are(monkeypatch):
+    """Logits and prefill caches are assembled on the device of the decode step's logits (engine.device),
+    sampled there, and the caches admitted from there: on a GPU nothing but the sampled ids crosses to the
+    host (the GPU test below). Here: the engine asks for that device every time."""
+    seen = _watch_engine_devices(monkeypatch)
+    with Engine(SET, eos_token_id=None, compile=False) as eng:
+        want = eng.decode.slot_devices[next(s.device for s in eng.decode.pipeline.metadata.slices_outputs.values()
+                                            if s.origin == "logits")]
+        assert eng.device == want
+        assert _generate(eng) == EXPECTED["tokens"]
+    assert seen["assemble"] and seen["run_model"] and seen["sample"] and seen["admit"]
+    assert set(seen["assemble"]) == set(seen["run_model"]) == set(seen["sample"]) == set(seen["admit"]) == {want}
+
 def _on_gpu(path: Path) -> dict:
     p = read_pipeline(path)
     return {slot: "cuda:0" for slot in p.devices}
@@ -93,3 +140,14 @@ def test_state_in_place_on_gpu_equals_the_cpu_copying_path(processor):
             torch.testing.assert_close(out[n].cpu(), w, rtol=1e-4, atol=1e-5)
         cpu = {n: (want[sess.state[n]] if n in sess.state else t) for n, t in cpu.items()}
         cpu = {n: (t + 1 if n.startswith("cache_position") else t) for n, t in cpu.items()}
+
+
+@pytest.mark.cuda
+def test_engine_on_gpu_samples_there_and_admits_caches_device_to_device(monkeypatch):
+    seen = _watch_engine_devices(monkeypatch)
+    with Engine(SET, eos_token_id=None, compile=False, device_map=_on_gpu(SET / "decode_b2" / "pipeline.json")) as eng:
+        assert eng.device == torch.device("cuda:0")
+        assert _generate(eng) == EXPECTED["tokens"]
+    assert seen["sample"] and seen["admit"]
+    assert {d.type for key in ("sample", "admit") for d in seen[key]} == {"cuda"}
+    assert {torch.device(d).type for key in ("assemble", "run_model") for d in seen[key]} == {"cuda"}

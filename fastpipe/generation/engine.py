@@ -9,7 +9,9 @@
 One worker thread owns the sessions. Between decode steps it admits waiting requests into free
 rows of the decode bucket (`batch` rows, default the largest built): newcomers are prefilled
 together in the smallest fitting prefill bucket (right-padded), their caches copied into their
-rows (KVState), and their first token sampled from the prefill's logits. Then one decode step
+rows (KVState), and their first token sampled from the prefill's logits. Logits and caches are
+assembled on the device of the decode step's logits (`engine.device`: on a GPU they never cross to
+the host; only each step's sampled ids do), and the requests' generators live there. Then one decode step
 runs every row at its own position (cache_position), writing the caches in place; each active
 row samples its next token (fastpipe.generation.sampling, the request's own generator) and
 streams it. A request finishes at EOS (unless ignore_eos), at max_new_tokens, or when cancelled;
@@ -134,6 +136,10 @@ class Engine:
         self._step_names = {n: s.origin for n, s in p.metadata.slices_inputs.items()
                             if s.origin in ("input_ids", "cache_position")}
         self._devices = {n: self.decode.slot_devices[p.metadata.slices_inputs[n].device] for n in self._step_names}
+        # logits and prefill caches are assembled where the decode step's logits are (its GPU): sampling runs
+        # there, and caches go to their rows device to device; only the sampled ids come to the host
+        self.device = next((self.decode.slot_devices[s.device] for s in p.metadata.slices_outputs.values()
+                            if s.origin == "logits"), torch.device("cpu"))
         self.rows: list[_Row | None] = [None] * self.batch
         self.steps = 0                         # decode steps run
         self._waiting: list[Request] = []
@@ -278,7 +284,7 @@ class Engine:
             ids = torch.zeros((b, s), dtype=torch.int64)                   # right-padded [b, s]
             for i, r in enumerate(group):
                 ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
-            out = sess.run_model(input_ids=ids)              # logits [b, s, V], caches [b, Hkv, s, D]
+            out = sess.run_model(input_ids=ids, output_device=self.device)    # logits [b, s, V], caches [b, Hkv, s, D]
             last = torch.stack([out["logits"][i, len(r.prompt) - 1] for i, r in enumerate(group)])   # [n, V]
             gens = [r.sampling.generator(last.device) for r in group]
             first = sample(last, [r.sampling for r in group], gens).tolist()
@@ -303,7 +309,7 @@ class Engine:
         """One decode step for every row (free rows compute on token 0 at position 0, unread)."""
         live = [(k, row) for k, row in enumerate(self.rows) if row is not None]
         outs = self.decode.run(self._step_inputs(live))
-        logits = assemble_outputs(self.decode.pipeline, outs, only=("logits",))["logits"][:, 0]   # [B, V]
+        logits = assemble_outputs(self.decode.pipeline, outs, only=("logits",), device=self.device)["logits"][:, 0]  # [B, V]
         self.steps += 1
         if not live:
             return
