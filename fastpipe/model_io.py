@@ -67,8 +67,9 @@ def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.T
 
 def assemble_outputs(p, outputs: Mapping[str, torch.Tensor], *, check_replicas: bool = False,
                      only: Collection[str] | None = None, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-    """Each original output from its slices, a new tensor on `device` (None: the CPU). Which slice fills
-    which part is worked out once per pipeline (the placements are static); a run only copies.
+    """Each original output from its slices, a new tensor on `device` (None: torch's default, the CPU).
+    Which slice fills which part is worked out once per pipeline (the placements are static); a run
+    only copies.
     check_replicas: slices that overlap an earlier one (replicas) must agree with it (slower: compares
     them, on the CPU). only: these original outputs (e.g. the logits of a decode step, not its caches).
     device: where the caller goes on with them (a generation engine: its GPU, so logits and caches
@@ -76,7 +77,6 @@ def assemble_outputs(p, outputs: Mapping[str, torch.Tensor], *, check_replicas: 
     if check_replicas:
         res = _assemble_checked(p, outputs)
         return {k: v if device is None else v.to(device) for k, v in res.items() if only is None or k in only}
-    device = torch.device("cpu" if device is None else device)
     res: dict[str, torch.Tensor] = {}
     for origin, (shape, dtype, copies, missing) in _assembly_plan(p).items():
         if only is not None and origin not in only:
