@@ -7,6 +7,7 @@ of running them, and a fake replay runs them again on the tensors the capture sa
 does; what the GPU does is tested by tests/test_graph_replay_gpu.py (marked `cuda`).
 """
 import contextlib
+import gc
 import threading
 import time
 
@@ -360,6 +361,51 @@ def test_an_invalidated_capture_leaves_the_stream_and_the_allocator_as_they_were
     assert torch.cuda.current_stream() is own and fake.capturing is None
     assert fake.routing_ended == [(0, fake.captures[0]["pool"])] and fake.captures[0]["pool"] == fake.handles[0]
     assert not r.replaying
+
+
+@pytest.mark.parametrize("body_fails", [False, True], ids=["captured", "body-fails"])
+@pytest.mark.parametrize("collector_on", [True, False], ids=["gc-on", "gc-off"])
+def test_no_garbage_collection_inside_a_capture(fake, body_fails, collector_on):
+    """A collection inside a capture could destroy an unreachable old CUDAGraph there, and its
+    cudaGraphExecDestroy invalidates the capture: the collector is off while the body runs and back as
+    the caller had it after, the capture failed or not; cyclic garbage made before goes after."""
+    freed_while_capturing = []
+
+    class Old:                                      # an old graph in a reference cycle
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            freed_while_capturing.append(fake.capturing is not None)
+
+    seen = []
+
+    def fn(ins):
+        if fake.capturing is not None:
+            seen.append(gc.isenabled())
+            Old()                                   # unreachable from here on
+            before = gc.get_count()[0]
+            junk = [[i] for i in range(5 * gc.get_threshold()[0])]   # allocations that would trigger one
+            assert gc.get_count()[0] > before and junk
+            if body_fails:
+                raise RuntimeError("body failed")
+        return {"y": ins["x"] * 2}
+
+    was = gc.isenabled()
+    try:
+        gc.enable() if collector_on else gc.disable()
+        r = GraphReplay(fn, CPU, policy="warn")
+        if body_fails:
+            with pytest.warns(RuntimeWarning, match="body failed"):
+                assert r.capture({"x": torch.ones(2)}) is False
+        else:
+            assert r.capture({"x": torch.ones(2)}) is True
+        assert seen == [False] and gc.isenabled() is collector_on
+        assert True not in freed_while_capturing
+    finally:
+        gc.enable() if was else gc.disable()
+    gc.collect()
+    assert freed_while_capturing == [False]
 
 
 def test_graph_pool_option_is_checked():

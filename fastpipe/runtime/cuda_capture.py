@@ -15,7 +15,12 @@ failed capture is an expected event here (policy "warn" runs on eagerly after it
 - first runs a few tiny matmuls in the capturing thread (prime_blas): cuBLAS/cuBLASLt handles are
   per thread, and a capture that is a thread's first matmul would create one inside the capture
   (a capture may happen in another thread than the warm-up: GraphReplay's second call);
-- synchronizes and empties the cache first, as torch.cuda.graph does.
+- synchronizes and empties the cache first, as torch.cuda.graph does;
+- holds Python's cyclic garbage collector off while it captures: a collection that the body's
+  allocations trigger may free an unreachable CUDAGraph (an old session's, in a reference cycle),
+  and its destructor's cudaGraphExecDestroy, called from the capturing thread, is refused and
+  invalidates the capture ("operation not permitted when stream is capturing (function reset)").
+  Such garbage goes at the next collection after the capture instead.
 
 The capture stream is one per device (graphs sharing a pool want one stream), made from torch's
 high-priority stream pool: torch.cuda.Stream() hands out 32 pooled streams per priority in turn,
@@ -24,7 +29,9 @@ from another thread, would be recorded into that capture.
 """
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+import contextlib
+import gc
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -66,7 +73,7 @@ def capture(body: Callable[[], T], device: torch.device, pool=None) -> tuple[tor
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), no_collection():
             graph.capture_begin(pool=pool, capture_error_mode=CAPTURE_ERROR_MODE)
             try:
                 out = body()
@@ -75,6 +82,18 @@ def capture(body: Callable[[], T], device: torch.device, pool=None) -> tuple[tor
                 raise
             _end(graph, index, pool, quiet=False)
     return graph, out
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside, back as it was after (it may already be off)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _end(graph, index: int, pool, *, quiet: bool) -> None:
