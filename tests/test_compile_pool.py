@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bench.bench_fused_kernels import case_call, make_agm, make_mrs, warmup_tasks
-from fastpipe.kernels import KernelConfig, compile_pool
+from fastpipe.kernels import KernelConfig, compile_pool, mm_sum_tma
 from tests.examples import ROOT
 
 pytest.importorskip("triton")
@@ -80,17 +80,25 @@ def test_default_worker_count(monkeypatch):
     assert compile_pool.default_workers(cuda) == 0
 
 
-def test_workers_make_every_first_call_and_report_the_failures():
-    """Two workers over real kernel calls (the interpreter's on CPU, compiled ones on a GPU): a config the
-    launcher refuses is reported with the task and its error, the rest run, and the workers are gone."""
-    bad = _task(NK=36, cfg=KernelConfig(16, 16, 16, tma=True))     # rows of 72 bytes: TMA cannot load them
-    good = [_task(), _task(M=48), _task("all_gather_matmul", M=32)]
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not CUDA, reason="needs CUDA")])])
+def test_workers_make_every_first_call_and_report_the_failures(device, monkeypatch):
+    """Two workers over real kernel calls (the interpreter's on CPU tensors, compiled ones on a GPU): a config
+    the launcher refuses is reported with the task and its error, the rest run, and the workers are gone."""
+    if device == "cpu":
+        # the workers are spawned: they import triton afresh, so this reaches them on a GPU machine too
+        # (where conftest leaves the interpreter off in this process, and hides the GPU from children)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dev = torch.device(device)
+    bad = _task(NK=36, cfg=KernelConfig(16, 16, 16, tma=True), device=dev)   # rows of 72 bytes: TMA cannot load them
+    good = [_task(device=dev), _task(M=48, device=dev), _task("all_gather_matmul", M=32, device=dev)]
     out = compile_pool.warm(good + [bad], 2, timeout_s=240)
     assert "error" not in out, out
     assert (out["workers"], out["tasks"], out["units"]) == (2, 4, 3)
+    why = mm_sum_tma.device_problem(dev) or ("a[0]'s leading stride, 36 elements of 2 bytes, is not a multiple "
+                                             "of 16 bytes (TMA's alignment)")          # (the first: before Hopper)
     assert out["failed"] == [f"{bad.text()}: ValueError: matmul_reduce_scatter: config.tma: the TMA kernel cannot "
-                             "load these operands: a[0]'s leading stride, 36 elements of 2 bytes, is not a multiple "
-                             "of 16 bytes (TMA's alignment)"]
+                             f"load these operands: {why}"]
     assert bad.text() == "matmul_reduce_scatter dim 0 (mm_sum M=16 N=36 K=36 n=2 bfloat16) 16x16x16 w4 s3 tma"
     assert not multiprocessing.active_children()
 
