@@ -346,6 +346,11 @@ def test_hopper_config_heuristic(monkeypatch):
         assert smem <= 227 * 1024, (M, cfg)  # fits an H100's shared memory per block
     f32 = pick_config(8192, 4096, 4096, torch.float32, "cuda")
     assert (f32.block_m, f32.block_n, f32.block_k) == (128, 128, 32)
+    # fp32 decode sizes: 64-row tiles, 3 stages but for gather_cols (its 64x128 tile spills with 3)
+    stages = {launcher: pick_config(16, 4096, 4096, torch.float32, "cuda", launcher=launcher, n=2).num_stages
+              for launcher in ("mm_sum", "gather_rows", "gather_cols")}
+    assert stages == {"mm_sum": 3, "gather_rows": 3, "gather_cols": 2}
+    assert pick_config(1024, 4096, 4096, torch.float32, "cuda", launcher="gather_cols", n=2).num_stages == 3
 
 
 def test_gather_rows_config_counts_every_output(monkeypatch):

@@ -261,8 +261,9 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
       parallelism comes from N tiles (the gather launchers: from the n outputs' N tiles together).
       ``num_warps`` 8 for tiles of >= 128x128, else 4; ``num_stages`` 3 for 128x256 tiles
       (3 x 48 KiB of shared memory), else 4.
-    * float32 on a GPU: 128x128x32 (64x128 for M <= 64), 8 warps, 3 stages -- fp32 tiles
-      are twice the bytes, so K steps are shorter.
+    * float32 on a GPU: 128x128x32 (64x128 for M <= 64), 8 warps, 3 stages (2 for gather_cols'
+      64x128 tiles, which spill registers with 3) -- fp32 tiles are twice the bytes, so K steps
+      are shorter.
 
     ``scripts/compile_kernels.py`` compiles every config this picks for issue 16's shapes for
     sm_90 without a GPU, and checks shared memory and register spills (tests/test_kernels_compile.py).
@@ -280,8 +281,10 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
     if dtype == torch.float32:
         bm = 64 if M <= 64 else 128
         # 8 warps for both: fp32 (no TF32) runs on FMAs, and a 64x128 tile on 4 warps spills
-        # registers on sm_90 (scripts/compile_kernels.py)
-        return KernelConfig(bm, 128, 32, group_m=8, num_warps=8, num_stages=3)
+        # registers on sm_90; so does gather_cols' 64x128 tile with 3 stages (it holds n outputs'
+        # pointers; Triton 3.6 at n 2, 3.9 at n 4): 2 stages there (scripts/compile_kernels.py)
+        stages = 2 if launcher == "gather_cols" and bm == 64 else 3
+        return KernelConfig(bm, 128, 32, group_m=8, num_warps=8, num_stages=stages)
     bm = _pow2_clamp(M, 16, 128)
     bk = 64 if bm == 128 else 128
     bn = 256 if bm == 128 else 128
