@@ -16,7 +16,8 @@ from fastpipe.kernels.fusion_rule import (
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = json.loads(fusion_rule.PACKAGED.read_text())
 RAW = [json.loads((ROOT / "bench" / "measured" / name).read_text()) for name in SHIPPED["sources"]]
-ROWS = [r for doc in RAW for r in rows_of(doc)]
+ROWS = [r for doc in RAW for r in rows_of(doc)]         # every committed run's rows, oldest run first
+NEWEST = newest_rows(ROWS)                               # the rows the shipped points come from
 MRS, AGM = "matmul_reduce_scatter", "all_gather_matmul"
 
 
@@ -24,62 +25,65 @@ def test_the_shipped_table_is_what_the_bench_writes_from_the_committed_rows():
     want = table_from_rows(ROWS, [doc["machine"] for doc in RAW], SHIPPED["sources"])
     assert SHIPPED == want
     assert fusion_rule.PACKAGED.read_text() == dump_table(want)
-    assert len(SHIPPED["points"]) == len(ROWS) == 32
+    assert len(SHIPPED["points"]) == len(NEWEST) == 64 and len(ROWS) == 96    # two H200 runs (32 + 64 rows)
+    # the second run measured every shape the first did: its rows replace the first's
+    assert {r["date"] for r in NEWEST} == {"2026-11-27"}
+    assert [p["date"] for p in SHIPPED["points"]] == ["2026-11-27"] * 64
 
 
-@pytest.mark.parametrize("i", range(32))
+@pytest.mark.parametrize("i", range(64))
 def test_at_every_measured_shape_auto_picks_the_measured_winner(i):
-    """At a measured shape the decision is that row's: fused exactly where its p80 beat the unfused p20."""
-    r = ROWS[i]
+    """At a measured shape the decision is that row's: fused exactly where its p80 beat the unfused p20,
+    and the reason names the run it comes from."""
+    r = NEWEST[i]
     for gpu in (r["device"], None):                  # on the GPU that measured it, and with no GPU named
         got = fused_is_faster(r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, kernel=r["kernel"], dim=r["dim"],
                               gpu=gpu)
         assert got == (r["fused_p80"] < r["unfused_p20"])
     e = estimate(r["kernel"], r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, r["dim"], r["device"])
-    assert e.reason.startswith("measured at this shape: ") and "NVIDIA H200 2026-11-26" in e.reason
+    assert e.reason.startswith("measured at this shape: ") and e.reason.endswith(f"on NVIDIA H200 {r['date']}")
     assert "not measured" not in e.reason
     assert f"{round(r['speedup'], 3):.2f}x" in e.reason  # the table keeps 3 decimals
 
 
 def test_the_decision_loses_little_where_the_measurement_was_within_noise():
     """Over the measured grid, following the rule is never more than 3% slower than the better path."""
-    for r in ROWS:
+    for r in NEWEST:
         fused = fused_is_faster(r["M"], r["N"], r["K_total"], r["n"], r["dtype"], kernel=r["kernel"], dim=r["dim"])
         chosen, best = (r["fused_ms"] if fused else r["unfused_ms"]), min(r["fused_ms"], r["unfused_ms"])
         assert chosen <= 1.03 * best, r
 
 
 def test_off_the_grid_the_nearest_measured_point_decides():
-    # decode-sized M takes M = 16's decision: matmul+reduce_scatter won there (1.21x-1.35x) at every shape
+    # decode-sized M takes M = 16's decision: matmul+reduce_scatter won there (1.22x-1.35x) at every shape
     for M in (1, 8, 32):
         assert fused_is_faster(M, 4096, 8192, 2, torch.bfloat16, kernel=MRS)
     # 64 is nearer 128 (log2 distance 1) than 16 (2): at N 8192, n 2 unfused won at 128 (0.89x)
     assert not fused_is_faster(64, 8192, 16384, 2, torch.bfloat16, kernel=MRS)
-    # beyond the largest M the edge decides; all_gather+matmul won only at N = K = 4096, n = 4, M = 8192
+    # beyond the largest M the edge decides: all_gather+matmul won at M 8192 at N = K = 4096 (1.10x, 1.35x),
+    # and lost at N = K = 8192, n 2 (0.97x)
     assert fused_is_faster(65536, 4096, 4096, 4, torch.bfloat16, kernel=AGM)
-    assert not fused_is_faster(65536, 4096, 4096, 2, torch.bfloat16, kernel=AGM)
-    assert not fused_is_faster(1024, 4096, 4096, 4, torch.bfloat16, kernel=AGM)
+    assert fused_is_faster(65536, 4096, 4096, 2, torch.bfloat16, kernel=AGM)
+    assert not fused_is_faster(65536, 8192, 8192, 2, torch.bfloat16, kernel=AGM)
     # n = 8 was not measured: n = 4's points decide
     assert fused_is_faster(8192, 4096, 32768, 8, torch.bfloat16, kernel=MRS)
     e = estimate(MRS, 24, 4096, 8192, 2, torch.bfloat16)
-    assert e.fused and e.reason.startswith("the nearest measured shape: 1.29x faster than unfused at M=16 N=4096")
+    assert e.fused and e.reason.startswith("the nearest measured shape: 1.31x faster than unfused at M=16 N=4096")
 
 
 def test_equally_near_points_fuse_only_if_all_won():
     # N 4096, K_total 32768, n 4 is one log2 step from (N 4096, K_total 16384) and from (N 8192, K_total 32768):
-    # at M 128 the first won (1.05x) and the second lost (0.82x)
+    # at M 128 the first won (1.06x) and the second lost (0.82x)
     e = estimate(MRS, 128, 4096, 32768, 4, torch.bfloat16)
     assert not e.fused and e.reason.startswith("the nearest measured shapes: ")
-    assert "1.05x faster" in e.reason and "0.82x, not faster" in e.reason
+    assert "1.06x faster" in e.reason and "0.82x, not faster" in e.reason
     # at M 16 both won
     assert estimate(MRS, 16, 4096, 32768, 4, torch.bfloat16).fused
 
 
-def test_unmeasured_dtypes_and_dims_stay_unfused_and_say_so():
+def test_unmeasured_dtypes_stay_unfused_and_say_so():
     f32 = estimate(MRS, 8192, 4096, 8192, 2, torch.float32)
     assert not f32.fused and "not measured for float32, dim 0" in f32.reason
-    d1 = estimate(MRS, 8192, 4096, 8192, 2, torch.bfloat16, dim=1)
-    assert not d1.fused and "dim 1" in d1.reason
     f16 = estimate(MRS, 8192, 4096, 8192, 2, torch.float16)
     assert f16.fused and "float16 uses the bfloat16 measurement" in f16.reason
     one = estimate(MRS, 8192, 4096, 8192, 1, torch.bfloat16)
@@ -120,13 +124,41 @@ def test_table_from_rows_drops_failed_rows_and_needs_the_gpu():
         table_from_rows([nameless], [], ["x.json"])
 
 
-def test_rows_name_their_gpu():
-    """Rows the bench wrote before they named their GPU take their file's machine.device."""
-    doc = {"machine": {"device": "NVIDIA H100 80GB HBM3"},
+def test_rows_name_their_gpu_and_run():
+    """Rows without a device (the bench's before they named their GPU) or a date (the bench's) take their file's
+    machine.device and machine.date."""
+    doc = {"machine": {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-02"},
            "rows": [{"M": 16}, {"M": 32, "device": "NVIDIA H200"}]}
-    assert [r["device"] for r in rows_of(doc)] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
-    assert "device" not in doc["rows"][0]                          # the document is left as it was
+    assert rows_of(doc) == [{"M": 16, "device": "NVIDIA H100 80GB HBM3", "date": "2026-12-02"},
+                            {"M": 32, "device": "NVIDIA H200", "date": "2026-12-02"}]
+    assert doc["rows"][0] == {"M": 16}                              # the document is left as it was
+    assert rows_of({"machine": {}, "rows": [{"M": 16}]}) == [{"M": 16}]
     assert rows_of([{"M": 16}]) == [{"M": 16}]                      # a bare list has no machine
+
+
+def test_a_point_names_its_own_run_else_every_run_of_its_gpu(tmp_path, monkeypatch):
+    """A shipped point names the date of the run it comes from; one without (tables written before points were
+    dated) names every date its GPU was measured."""
+    r = next(r for r in NEWEST if r["kernel"] == MRS and r["M"] == 16)
+    shape = (MRS, r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16)
+    assert estimate(*shape).reason.endswith("on NVIDIA H200 2026-11-27")
+    undated = {**SHIPPED, "points": [{k: v for k, v in p.items() if k != "date"} for p in SHIPPED["points"]]}
+    path = tmp_path / "fusion_measured.json"
+    path.write_text(dump_table(undated))
+    monkeypatch.setattr(fusion_rule, "PACKAGED", path)
+    fusion_rule._shipped.cache_clear()
+    try:
+        assert estimate(*shape).reason.endswith("on NVIDIA H200 2026-11-26, 2026-11-27")
+    finally:
+        fusion_rule._shipped.cache_clear()
+
+
+def test_each_dim_decides_from_its_own_points():
+    """Both dims were measured (2026-11-27): at one shape the row blocks' kernel lost and the column blocks' won."""
+    shape = (AGM, 8192, 8192, 8192, 2, torch.bfloat16)
+    d0, d1 = estimate(*shape, dim=0), estimate(*shape, dim=1)
+    assert not d0.fused and d0.reason.startswith("measured at this shape: 0.97x, not faster") and "dim 0" in d0.reason
+    assert d1.fused and d1.reason.startswith("measured at this shape: 1.10x faster") and "dim 1" in d1.reason
 
 
 def test_a_newer_revision_of_a_kernel_replaces_the_older_measurement():
@@ -149,10 +181,10 @@ def test_a_newer_revision_of_a_kernel_replaces_the_older_measurement():
 
 
 def test_a_point_of_an_older_kernel_revision_still_decides_and_says_it_is_stale(monkeypatch):
-    """The shipped points record revision 1 (the H200 run predates revisions); a kernel changed since
-    keeps the measured decision, and the reason says the measurement is stale and what changed."""
-    assert {p["revision"] for p in SHIPPED["points"]} == {1}
-    r = next(r for r in ROWS if r["kernel"] == MRS and r["M"] == 16)
+    """Every shipped point timed its kernel's current revision; a kernel changed since keeps the measured
+    decision, and the reason says the measurement is stale and what changed."""
+    assert {(p["kernel"], p["revision"]) for p in SHIPPED["points"]} == set(fusion_rule.KERNEL_REVISIONS.items())
+    r = next(r for r in NEWEST if r["kernel"] == MRS and r["M"] == 16)
     args = (MRS, r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16)
     monkeypatch.setitem(fusion_rule.KERNEL_REVISIONS, MRS, 1)
     assert "stale" not in estimate(*args).reason
@@ -222,7 +254,7 @@ def two_gpu_table(tmp_path, monkeypatch):
     matmul_reduce_scatter shape) this "H100" lost, and it measured nothing of all_gather_matmul."""
     h100 = "NVIDIA H100 80GB HBM3"
     theirs = [{**r, "device": h100, "fused_p80": 2.0, "unfused_p20": 1.0, "speedup": 0.5}
-              for r in ROWS if r["kernel"] == MRS and r["M"] == 16]
+              for r in NEWEST if r["kernel"] == MRS and r["M"] == 16]
     doc = table_from_rows(ROWS + theirs, [*(d["machine"] for d in RAW), {"device": h100, "date": "2026-11-27"}],
                           [*SHIPPED["sources"], "h100.json"])
     path = tmp_path / "fusion_measured.json"
@@ -236,7 +268,7 @@ def two_gpu_table(tmp_path, monkeypatch):
 def test_each_gpu_follows_its_own_measurements(two_gpu_table):
     h100, shape = two_gpu_table, (MRS, 16, 4096, 8192, 2, torch.bfloat16)
     on_h200 = estimate(*shape, gpu="NVIDIA H200")
-    assert on_h200.fused and "on NVIDIA H200 2026-11-26" in on_h200.reason and h100 not in on_h200.reason
+    assert on_h200.fused and "on NVIDIA H200 2026-11-27" in on_h200.reason and h100 not in on_h200.reason
     on_h100 = estimate(*shape, gpu=h100)
     assert not on_h100.fused and on_h100.reason.startswith("measured at this shape: 0.50x, not faster")
     assert f"on {h100} 2026-11-27" in on_h100.reason and "not measured" not in on_h100.reason
@@ -245,9 +277,9 @@ def test_each_gpu_follows_its_own_measurements(two_gpu_table):
     assert fused_is_faster(1024, 4096, 8192, 2, torch.bfloat16, kernel=MRS, gpu="NVIDIA H200")
     assert not fused_is_faster(1024, 4096, 8192, 2, torch.bfloat16, kernel=MRS, gpu=h100)
     # all_gather_matmul was measured on the H200 only: the H100 takes it, and the reason says so
-    r = next(r for r in ROWS if r["kernel"] == AGM and fused_wins(r))
+    r = next(r for r in NEWEST if r["kernel"] == AGM and fused_wins(r))
     ag = estimate(AGM, r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, gpu=h100)
-    assert ag.fused and "on NVIDIA H200 2026-11-26" in ag.reason
+    assert ag.fused and "on NVIDIA H200 2026-11-27" in ag.reason
     assert ag.reason.endswith(f"; this GPU ({h100}) was not measured: another GPU's measurement decides until "
                               "`scripts/gpu_check.sh fused` or `fastpipe tune` measures this one"), ag.reason
 
@@ -259,7 +291,7 @@ def test_an_unmeasured_gpu_fuses_only_where_every_measured_gpu_won(two_gpu_table
         e = estimate(*shape, gpu=gpu)
         assert not e.fused and e.reason.startswith("measured at this shape: ")
         assert f"0.50x, not faster than unfused at M=16 N=4096 K_total=8192 n=2 on {h100} 2026-11-27; " in e.reason
-        assert "1.29x faster than unfused at M=16 N=4096 K_total=8192 n=2 on NVIDIA H200 2026-11-26, " in e.reason
+        assert "1.31x faster than unfused at M=16 N=4096 K_total=8192 n=2 on NVIDIA H200 2026-11-27, " in e.reason
         assert ("was not measured" in e.reason) == (gpu is not None)
 
 
@@ -279,7 +311,7 @@ def _point(r, **over):
 def test_a_point_fastpipe_tune_measured_replaces_the_benchs_at_its_shape(tmp_path, monkeypatch):
     """A pipeline's own measurement (the tuned table's "fusion" list) takes the place of the shipped point
     of the same GPU and shape, and the reason names the file; elsewhere both sets of points decide together."""
-    r = next(r for r in ROWS if r["kernel"] == MRS and r["M"] == 16 and fused_wins(r))
+    r = next(r for r in NEWEST if r["kernel"] == MRS and r["M"] == 16 and fused_wins(r))
     shape = (MRS, r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, 0, r["device"])
     assert estimate(*shape).fused
     path = _tuned_table(tmp_path, monkeypatch, [_point(r)])
@@ -296,7 +328,7 @@ def test_a_point_fastpipe_tune_measured_replaces_the_benchs_at_its_shape(tmp_pat
 
 
 def test_float16_and_bfloat16_points_serve_each_other(tmp_path, monkeypatch):
-    r = next(r for r in ROWS if r["kernel"] == MRS and r["M"] == 16 and fused_wins(r))
+    r = next(r for r in NEWEST if r["kernel"] == MRS and r["M"] == 16 and fused_wins(r))
     _tuned_table(tmp_path, monkeypatch, [_point(r, dtype="float16")])
     for dtype, also in ((torch.bfloat16, " (bfloat16 uses the float16 measurement too)"),
                         (torch.float16, " (float16 uses the bfloat16 measurement too)")):
@@ -304,14 +336,14 @@ def test_float16_and_bfloat16_points_serve_each_other(tmp_path, monkeypatch):
         # equally near: the tuned float16 point (lost) and the shipped bfloat16 one (won): fused only if both won
         assert not e.fused and e.reason.startswith("measured at this shape: 0.80x, not faster"), e.reason
         assert f"; {round(r['speedup'], 3):.2f}x faster than unfused at M=16 " in e.reason
-        assert " on NVIDIA H200 2026-12-01 by fastpipe tune (" in e.reason and " on NVIDIA H200 2026-11-26" in e.reason
+        assert " on NVIDIA H200 2026-12-01 by fastpipe tune (" in e.reason and " on NVIDIA H200 2026-11-27" in e.reason
         assert e.reason.endswith(also), e.reason
 
 
 def test_a_bad_fusion_list_is_reported_once_and_the_shipped_points_decide(tmp_path, monkeypatch):
     import warnings
 
-    r = next(r for r in ROWS if r["kernel"] == MRS and r["M"] == 16 and fused_wins(r))
+    r = next(r for r in NEWEST if r["kernel"] == MRS and r["M"] == 16 and fused_wins(r))
     _tuned_table(tmp_path, monkeypatch, [_point(r, fused_wins="no")])
     shape = (MRS, r["M"], r["N"], r["K_total"], r["n"], torch.bfloat16, 0, r["device"])
     with pytest.warns(RuntimeWarning, match=r"^fastpipe: the fusion points of the tuned-config table not used: "

@@ -7,10 +7,12 @@ that bench (``table_from_rows`` below; the raw rows of the shipped table are in
 bench/measured/)::
 
     {"format": 1, "measured_on": [{"device": "NVIDIA H200", "date": ..., "torch": ..., "triton": ...}],
-     "sources": ["fused_h200_2026-11-26.json"], "criterion": "...",
+     "sources": ["fused_h200_2026-11-26.json", ...], "criterion": "...",
      "points": [{"device": "NVIDIA H200", "kernel": "matmul_reduce_scatter", "dim": 0, "dtype": "bfloat16",
                  "M": 16, "N": 4096, "K_total": 8192, "n": 2, "speedup": 1.294, "fused_wins": true,
-                 "revision": 1}, ...]}
+                 "revision": 1, "date": "2026-11-27"}, ...]}
+
+(``date``: the run the point comes from; a point without one names every date its GPU was measured.)
 
 A point's ``fused_wins`` is true only where the win is outside the timing noise: the fused
 kernel's 80th-percentile time below the unfused path's 20th percentile (``fused_wins(row)``).
@@ -121,13 +123,15 @@ def table_device(device) -> str:
 
 
 def rows_of(doc) -> list[dict]:
-    """A bench_fused_kernels result document's rows, each naming the GPU that timed it (a row
-    without ``device``, as the bench wrote them before rows named their GPU, takes the file's
-    machine.device)."""
+    """A bench_fused_kernels result document's rows, each naming the GPU that timed it and the date of
+    the run (a row without ``device``, as the bench writes them, takes the file's machine.device;
+    one without ``date``, machine.date)."""
     if not isinstance(doc, dict):
         return list(doc)
-    device = (doc.get("machine") or {}).get("device")
-    return [r if "device" in r or device is None else {**r, "device": device} for r in doc["rows"]]
+    machine = doc.get("machine") or {}
+    tags = {k: machine[k] for k in ("device", "date") if machine.get(k) is not None}
+    return [{**{k: v for k, v in tags.items() if k not in r}, **r} if tags.keys() - r.keys() else r
+            for r in doc["rows"]]
 
 
 def newest_rows(rows: list[dict]) -> list[dict]:
@@ -172,7 +176,8 @@ def table_from_rows(rows: list[dict], machines: list[dict], sources: list[str]) 
     timed = [r for r in rows if "error" not in r and r.get("check", "ok") == "ok"]
     points = [{"device": r["device"], "kernel": r["kernel"], "dim": r["dim"], "dtype": r["dtype"], "M": r["M"],
                "N": r["N"], "K_total": r["K_total"], "n": r["n"], "speedup": round(r["speedup"], 3),
-               "fused_wins": fused_wins(r), "revision": row_revision(r)} for r in newest_rows(timed)]
+               "fused_wins": fused_wins(r), "revision": row_revision(r), **({"date": r["date"]} if "date" in r else {})}
+              for r in newest_rows(timed)]
     points.sort(key=lambda p: tuple(p[f] for f in _KEY_FIELDS))
     measured_on = [{k: m.get(k) for k in _MACHINE_FIELDS} for m in machines]
     return {"format": 1, "measured_on": measured_on, "sources": sources, "criterion": CRITERION, "points": points}
@@ -278,7 +283,7 @@ def estimate(kernel: str, M: int, N: int, K_total: int, n: int, dtype, dim: int 
     def where(p):
         if "from" in p:
             return f"{p['device']} {p.get('date') or '(date unknown)'} by fastpipe tune ({p['from']})"
-        return f"{p['device']} {dates.get(p['device'], '(date unknown)')}"
+        return f"{p['device']} {p.get('date') or dates.get(p['device'], '(date unknown)')}"
 
     each = len({where(p) for p in near}) > 1         # points of several GPUs or sources: each item names its own
     evidence = "; ".join(f"{p['speedup']:.2f}x" + (" faster" if p["fused_wins"] else ", not faster") +
