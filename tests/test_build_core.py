@@ -254,3 +254,53 @@ def test_half_precision_module_keeps_its_dtype(tmp_path, dtype):
     for v in out.values():
         assert v.dtype == dtype
         torch.testing.assert_close(v.float(), ref.float(), rtol=0, atol=3e-2 * ref.abs().max().item())
+
+
+# ---------------------------------------------------------------- segments: where a weight-only node goes
+def _two_level_graph():
+    """w0, w1, w2: parameters; x: the pipeline input. y = x @ w0.t(); c = comm(y); z = (c @ w1.t()) @ w0.t()
+    + w2.float(); w1's and w2's derived nodes are read only after the comm, w0's transpose before and after."""
+    g = torch.fx.Graph()
+    w0, w1, w2, x = (g.placeholder(n) for n in ("w0", "w1", "w2", "x"))
+    t0 = g.call_function(torch.ops.aten.t.default, (w0,))
+    y = g.call_function(torch.ops.aten.mm.default, (x, t0))
+    c = g.call_function(comm_point, (y, None))
+    t1 = g.call_function(torch.ops.aten.t.default, (w1,))
+    cast = g.call_function(torch.ops.aten._to_copy.default, (w2,), {"dtype": torch.float32})
+    z = g.call_function(torch.ops.aten.mm.default, (c, t1))
+    z2 = g.call_function(torch.ops.aten.mm.default, (z, t0))
+    out = g.call_function(torch.ops.aten.add.Tensor, (z2, cast))
+    g.output(out)
+    return torch.fx.GraphModule(torch.nn.Module(), g), dict(t0=t0, y=y, c=c, t1=t1, cast=cast, z=z, z2=z2, out=out)
+
+
+def test_a_weight_only_node_is_computed_where_it_is_first_read():
+    """A weight's transpose or cast (fed by parameters alone) goes to the segment of its first reader, so a
+    later segment does not receive a view of a weight as an input it must be handed (and the plan count as
+    an intermediate); one read before and after the comm stays in the first segment."""
+    from fastpipe.builder.graph_split import split_graph
+
+    gm, n = _two_level_graph()
+    seg = split_graph(gm, n_params=3)
+    name = {v: k for k, v in n.items()}
+    groups = {key: [name[m] for m in ns] for key, ns in seg.groups.items()}
+    assert groups == {(0, 0): ["t0", "y"], (0, 1): ["t1", "cast", "z", "z2", "out"]}
+    assert seg.comms == [n["c"]] and seg.level[n["c"]] == 0
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_no_weight_view_is_handed_between_supertasks(tp):
+    """Across the LM's segments (a comm between each), every tensor one compute supertask hands another
+    is an activation ([2, 6, ...]): no weight, transposed or not, travels as an intermediate."""
+    torch.manual_seed(0)
+    m = LM(52).eval()
+    built = build(m, (torch.randint(0, 52, (2, 6)),), tp=tp, plan=PLAN, input_names=["ids"], output_names=["logits"])
+    doc = built.doc
+    made_by_fx = {o for st in doc["supertasks"].values() if st["kind"] == "fx" for o in st["outputs"]}
+    handed = {i for st in doc["supertasks"].values() if st["kind"] == "fx" for i in st["inputs"] if i in made_by_fx}
+    assert handed, "the LM's segments hand each other activations"
+    weights = {tuple(t["shape"]) for t in doc["tensors"].values() if "value" in t and len(t["shape"]) == 2}
+    assert len(weights) >= 2                           # shards of the embedding and head, of the blocks
+    for name in handed:
+        shape = tuple(doc["tensors"][name]["shape"])
+        assert shape[:2] == (2, 6) and shape not in weights and shape[::-1] not in weights, (name, shape)

@@ -78,14 +78,36 @@ def split_graph(gm: fx.GraphModule, n_params: int) -> Segments:
         lv = 0
         if n.target is operator.getitem and n.args[0] in seg.level:
             seg.level[n] = seg.level[n.args[0]]
-            seg.groups.setdefault((seg.stage[n], seg.level[n]), []).append(n)
             continue
         for i in _inputs(n):
             if i in seg.level and seg.stage.get(i) == seg.stage[n]:
                 lv = max(lv, seg.level[i] + (1 if i.target is comm_point else 0))
         seg.level[n] = lv
+    _float_to_first_use(seg, nodes, {n for n, a in anchored.items() if not a})
+    for n in nodes:
+        if n not in seg.level:
+            continue
         if n.target is comm_point:
             seg.comms.append(n)
         elif n.target is not PIPE_SPLIT:
-            seg.groups.setdefault((seg.stage[n], lv), []).append(n)
+            seg.groups.setdefault((seg.stage[n], seg.level[n]), []).append(n)
     return seg
+
+
+def _float_to_first_use(seg: Segments, nodes: list[fx.Node], floating: set) -> None:
+    """A floating node (fed by parameters alone: a weight's transpose, a weight's dtype cast) has no
+    upstream comm point, so any level of its stage may compute it: it takes the lowest level among its
+    users there (it was at level 0). So it is computed in the segment that reads it, where it was
+    computed at level 0 and handed on to later levels as a supertask output: a view of a weight
+    became an intermediate tensor to plan, name and carry from one supertask to the next. A node read
+    at several levels is computed at the lowest and handed to the others. Comm points keep their
+    level; a getitem stays with the node it reads."""
+    for n in reversed(nodes):
+        if n not in floating or n.target is comm_point or n.target is PIPE_SPLIT:
+            continue
+        here = [seg.level[u] for u in n.users if u in seg.level and seg.stage.get(u) == seg.stage[n]]
+        if here:
+            seg.level[n] = min(here)
+    for n in nodes:
+        if n in floating and n.target is operator.getitem and n.args[0] in seg.level:
+            seg.level[n] = seg.level[n.args[0]]
