@@ -97,11 +97,10 @@ def split_graph(gm: fx.GraphModule, n_params: int) -> Segments:
 def _float_to_first_use(seg: Segments, nodes: list[fx.Node], floating: set) -> None:
     """A floating node (fed by parameters alone: a weight's transpose, a weight's dtype cast) has no
     upstream comm point, so any level of its stage may compute it: it takes the lowest level among its
-    users there (it was at level 0). So it is computed in the segment that reads it, where it was
-    computed at level 0 and handed on to later levels as a supertask output: a view of a weight
-    became an intermediate tensor to plan, name and carry from one supertask to the next. A node read
-    at several levels is computed at the lowest and handed to the others. Comm points keep their
-    level; a getitem stays with the node it reads."""
+    users there, and so is computed in the segment that reads it. (At level 0, where the level pass
+    leaves it, a later segment received it as a supertask output: a view of a weight became an
+    intermediate tensor to plan, name and carry.) A node read at several levels is computed at the
+    lowest and handed to the others. Comm points keep their level; a getitem stays with the node it reads."""
     for n in reversed(nodes):
         if n not in floating or n.target is comm_point or n.target is PIPE_SPLIT:
             continue

@@ -130,8 +130,7 @@ def rows_of(doc) -> list[dict]:
         return list(doc)
     machine = doc.get("machine") or {}
     tags = {k: machine[k] for k in ("device", "date") if machine.get(k) is not None}
-    return [{**{k: v for k, v in tags.items() if k not in r}, **r} if tags.keys() - r.keys() else r
-            for r in doc["rows"]]
+    return [{**tags, **r} if tags.keys() - r.keys() else r for r in doc["rows"]]
 
 
 def newest_rows(rows: list[dict]) -> list[dict]:

@@ -41,14 +41,18 @@ class Binder:
     def constants_for(self, names, device: torch.device) -> dict[str, torch.Tensor]:
         return {n: self.constant(n, device) for n in names if self.p.tensors[n].is_constant}
 
+    def _request(self, name: str) -> tuple:
+        """The WeightStore request for constant `name`: (ref, shape, dtype, where, trust_export)."""
+        t = self.p.tensors[name]
+        ref, where = param_ref(self.p, name, self.opts)
+        return ref, t.shape, dtypes.to_torch(t.dtype), where, self.opts.trust_export_archives
+
     def constant(self, name: str, device: torch.device) -> torch.Tensor:
         key = (name, device)
         if key not in self._const:
-            t = self.p.tensors[name]
-            ref, where = param_ref(self.p, name, self.opts)
+            ref, shape, dtype, where, trust = self._request(name)
             # on a GPU the store's copy there: sessions over one store share it (and their compiled graphs)
-            self._const[key] = self.store.load(ref, t.shape, dtypes.to_torch(t.dtype), where=where,
-                                               trust_export=self.opts.trust_export_archives, device=device)
+            self._const[key] = self.store.load(ref, shape, dtype, where=where, trust_export=trust, device=device)
         return self._const[key]
 
     def prefetch(self, names, device: torch.device) -> None:
@@ -57,11 +61,7 @@ class Binder:
         todo = [n for n in dict.fromkeys(names) if self.p.tensors[n].is_constant and (n, device) not in self._const]
         if not todo or torch.device(device).type == "cpu":     # the CPU's slices are mmap views: nothing to copy
             return
-        requests = []
-        for n in todo:
-            t = self.p.tensors[n]
-            ref, where = param_ref(self.p, n, self.opts)
-            requests.append((ref, t.shape, dtypes.to_torch(t.dtype), where, self.opts.trust_export_archives))
+        requests = [self._request(n) for n in todo]
         for n, c in zip(todo, self.store.load_many(requests, device, upload=self.opts.upload)):
             self._const[(n, device)] = c
 
