@@ -22,15 +22,21 @@ Variants on a GPU:
                                          at a time, not one launch per dtype group (GraphReplay's
                                          grouped_copies): what the grouping saves per call
   unsplit eager / unsplit compiled /     the HF model on the same device: eager, torch.compile
-  unsplit compiled, reduce-overhead      (dynamic=False), and torch.compile(mode="reduce-overhead")
+  unsplit compiled, reduce-overhead      (dynamic=False), and torch.compile(mode="reduce-overhead"),
+                                         on a DynamicCache of the past built in each call
+  unsplit static cache eager / ...       the same three on a StaticCache of past + seq positions,
+                                         filled once (how a server runs the unsplit model: the step
+                                         writes in place, addresses fixed for CUDA graphs)
 On a CPU: the region processor compiled and eager, the cpu processor eager, the unsplit model eager
-and compiled.
+and compiled on either cache.
 
 What is timed: a fastpipe row times `session.run(inputs)` on the pipeline's own inputs, already
 sliced per slot and on the device (as a server holds them); a replayed run includes what a caller
 of run() gets: the inputs copied into the graph's buffers and the outputs cloned out of them. The
-unsplit rows time the HF model on input ids and a DynamicCache of the same past, on the device
-(building the cache is in the timed call). Each call is followed by a device synchronize (the
+unsplit rows time the HF model on input ids and the same past, on the device: a DynamicCache
+built in the timed call (what a caller holding the past as tensors does, as a fastpipe pipeline is
+given it), or a StaticCache filled before timing, whose length each call rewinds to the past
+(bench/unsplit_calls.py). Each call is followed by a device synchronize (the
 latency a caller sees when it needs the result). Every session compiles (and captures) before it
 is timed: Session.compile(); compile seconds get a column of their own ("shared": it compiled
 nothing new, reusing a row above's compiled code; its own warm-up and capture seconds are in
@@ -47,7 +53,7 @@ r times every variant once); a sample is the mean of back-to-back calls lasting 
 the table gives the median and p10/p90 of --repeat samples.
 
 Targets (issue 16): at batch 1, graph replay >= 3x faster than eager streams; the best fastpipe path
-within 1.1x of the best unsplit compiled model (default or reduce-overhead). Each case's verdicts
+within 1.1x of the best unsplit compiled model (default or reduce-overhead, either cache). Each case's verdicts
 are printed under its table and written to --json, rewritten after every case and after each row's
 set-up (compile, capture, check) within one (that case marked "partial": "set-up"), so a run stopped at
 a time limit keeps what it did. Interrupted (SIGINT, as scripts/gpu_check.sh stops a stage at its
@@ -76,6 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report_region import Row, first_call, measure, pct  # noqa: E402   (every timed fn here syncs)
 from bench.report_region import table as region_table  # noqa: E402
+from bench.unsplit_calls import hf_call  # noqa: E402
 
 CUDA_VARIANTS = [
     ("fastpipe cuda, graph replay", dict(processor="cuda", compile=True, cuda_graph=True)),
@@ -95,7 +102,8 @@ CPU_VARIANTS = [
 ]
 REPLAY, STREAMS = "fastpipe cuda, graph replay", "fastpipe cuda, eager streams"
 COMPILED_STREAMS = "fastpipe cuda, compiled streams"
-UNSPLIT_COMPILED = ("unsplit compiled", "unsplit compiled, reduce-overhead")
+UNSPLIT_COMPILED = ("unsplit compiled", "unsplit compiled, reduce-overhead",
+                    "unsplit static cache compiled", "unsplit static cache compiled, reduce-overhead")
 DTYPES = ("bfloat16", "float16", "float32")
 F32_TOLERANCE = 1e-4    # times the largest |logit|: float32 vs float32, summation orders apart
 DEFAULTS = {"cuda": dict(layers=4, hidden=1024, heads=16, kv_heads=8, vocab=32000, dtype="bfloat16"),
@@ -175,15 +183,6 @@ def model_inputs(model, batch: int, seq: int, past_len: int | None, seed: int):
     past = [[torch.randn(batch, cfg.num_key_value_heads, past_len, hd, generator=g).to(dtype) for _ in range(2)]
             for _ in range(cfg.num_hidden_layers)]
     return {"input_ids": ids, "past_key_values": past}
-
-
-def hf_call(model, ids, past):
-    import transformers
-
-    cache = transformers.DynamicCache()
-    for i, (k, v) in enumerate(past or []):
-        cache.update(k, v, i)
-    return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
 
 
 def tolerance(ref, own_err: float) -> float:
@@ -269,49 +268,61 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
 
 
 def unsplit_rows(args, model, ids, past, check, timed, dev, rows: list[Row], progress=lambda: None) -> None:
-    """The unsplit model's rows, appended to rows (progress() after each)."""
+    """The unsplit model's rows, appended to rows (progress() after each): eager, compiled and (on a GPU)
+    compiled with mode="reduce-overhead", each on a DynamicCache built per call ("unsplit ...") and on a
+    StaticCache filled once ("unsplit static cache ...", bench/unsplit_calls.py)."""
     import torch
 
+    from bench.unsplit_calls import StaticStep
+
+    modes = [("compiled", {})] + ([("compiled, reduce-overhead", {"mode": "reduce-overhead"})]
+                                  if dev.type == "cuda" else [])
+    for prefix, make_step in (("unsplit", lambda: (lambda m: hf_call(m, ids, past))),
+                              ("unsplit static cache", lambda: StaticStep(model, ids, past))):
+        for mode, kw in [("eager", None)] + modes:
+            row = Row(f"{prefix} {mode}")
+            rows.append(row)
+            try:
+                step = make_step()
+                target = model if kw is None else torch.compile(model, dynamic=False, **kw)
+                fn = timed(_inference(lambda step=step, target=target: step(target)))
+                if kw is not None:
+                    _compile_unsplit(row, fn, kw)
+                row.check = check(fn())
+                row.fn = fn
+            except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table, not the end of the run
+                row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                traceback.print_exc()
+            progress()
+
+
+def _inference(fn):
+    import torch
+
+    def call():
+        with torch.inference_mode():
+            return fn()
+    return call
+
+
+def _compile_unsplit(row: Row, fn, kw: dict) -> None:
+    """Compile (and for reduce-overhead record) the unsplit row's call: its first three calls, timed as
+    compile_s; notes say what torch warned of, a cudagraph skip, and more than one graph."""
     from fastpipe.torch_compat import cudagraph_skips, unique_graphs
 
-    def inference(fn):
-        def call():
-            with torch.inference_mode():
-                return fn()
-        return call
-
-    eager = Row("unsplit eager", fn=timed(inference(lambda: hf_call(model, ids, past))))
-    eager.check = check(eager.fn())
-    rows.append(eager)
-    progress()
-    modes = [("unsplit compiled", {})]
-    if dev.type == "cuda":
-        modes.append(("unsplit compiled, reduce-overhead", {"mode": "reduce-overhead"}))
-    for label, kw in modes:
-        row = Row(label)
-        rows.append(row)
-        try:
-            cm = torch.compile(model, dynamic=False, **kw)
-            fn = timed(inference(lambda cm=cm: hf_call(cm, ids, past)))
-            t, skips, graphs = time.perf_counter(), cudagraph_skips(), unique_graphs()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                for _ in range(3):          # reduce-overhead records its graph at the 2nd-3rd call
-                    fn()
-            row.compile_s = time.perf_counter() - t
-            row.notes += sorted({" ".join(str(w.message).split())[:200] for w in caught
-                                 if "cudagraph" in str(w.message).lower() or "recompil" in str(w.message).lower()})
-            if kw.get("mode") == "reduce-overhead" and cudagraph_skips() > skips:
-                row.notes.append("inductor ran it WITHOUT CUDA graphs (a cudagraph skip: see the torch._inductor "
-                                 "log, TORCH_LOGS=cudagraphs): this row is the default mode's")
-            if unique_graphs() - graphs > 1:
-                row.notes.append(f"torch.compile made {unique_graphs() - graphs} graphs (graph breaks or recompiles)")
-            row.check = check(fn())
-            row.fn = fn
-        except Exception as e:  # noqa: BLE001
-            row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-            traceback.print_exc()
-        progress()
+    t, skips, graphs = time.perf_counter(), cudagraph_skips(), unique_graphs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):          # reduce-overhead records its graph at the 2nd-3rd call
+            fn()
+    row.compile_s = time.perf_counter() - t
+    row.notes += sorted({" ".join(str(w.message).split())[:200] for w in caught
+                         if "cudagraph" in str(w.message).lower() or "recompil" in str(w.message).lower()})
+    if kw.get("mode") == "reduce-overhead" and cudagraph_skips() > skips:
+        row.notes.append("inductor ran it WITHOUT CUDA graphs (a cudagraph skip: see the torch._inductor "
+                         "log, TORCH_LOGS=cudagraphs): this row is the default mode's")
+    if unique_graphs() - graphs > 1:
+        row.notes.append(f"torch.compile made {unique_graphs() - graphs} graphs (graph breaks or recompiles)")
 
 
 def median(rows: list[Row], variant: str) -> float | None:

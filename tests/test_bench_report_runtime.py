@@ -1,5 +1,6 @@
 """bench/report_runtime.py (issue 16's runtime table) runs end to end on the CPU, checks every row's
 logits against the unsplit model, and states its targets from the rows it measured."""
+import functools
 import json
 import subprocess
 import sys
@@ -20,7 +21,8 @@ def test_report_runtime_quick_cpu(tmp_path):
     assert [c["title"] for c in doc["cases"]] == ["decode step, batch 1, 1 token over 16 cached"]
     rows = {row["variant"]: row for row in doc["cases"][0]["rows"]}
     assert set(rows) == {"fastpipe region compiled", "fastpipe region eager", "fastpipe cpu processor eager",
-                         "unsplit eager", "unsplit compiled"}
+                         "unsplit eager", "unsplit compiled", "unsplit static cache eager",
+                         "unsplit static cache compiled"}
     for name, row in rows.items():                 # bf16 rows against the unsplit model in float32
         assert row["error"] == "", (name, row["error"])
         assert row["check"].startswith("ok"), (name, row["check"])
@@ -29,12 +31,56 @@ def test_report_runtime_quick_cpu(tmp_path):
     assert rows["fastpipe region eager"]["compile_s"] is None
     assert rows["fastpipe region compiled"]["compile_s"] > 0 and rows["fastpipe region compiled"]["compile_shared"] is False
     v = doc["cases"][0]["verdicts"]
-    assert v["best_unsplit_compiled"] == "unsplit compiled"
+    base = min((rows["unsplit compiled"], rows["unsplit static cache compiled"]), key=lambda r: r["median_ms"])
+    assert v["best_unsplit_compiled"] == base["variant"]                 # either cache's compiled model
     best = min((r for n, r in rows.items() if n.startswith("fastpipe")), key=lambda r: r["median_ms"])
     assert v["best_fastpipe"] == best["variant"]
-    assert v["best_vs_unsplit_compiled"] == pytest.approx(best["median_ms"] / rows["unsplit compiled"]["median_ms"])
+    assert v["best_vs_unsplit_compiled"] == pytest.approx(best["median_ms"] / base["median_ms"])
     assert doc["failed"] == [] and doc["not_run"] == []
     assert "best fastpipe" in r.stdout and "| fastpipe region compiled |" in r.stdout
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=176, vocab_size=256)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _past_of(cache):
+    """[[key, value] per layer] of a transformers DynamicCache (its layers in >= 4.56, key_cache before)."""
+    if hasattr(cache, "layers"):
+        return [[layer.keys, layer.values] for layer in cache.layers]
+    return [list(kv) for kv in zip(cache.key_cache, cache.value_cache)]
+
+
+@pytest.mark.parametrize("new", [1, 3])
+def test_unsplit_steps_match_the_model_over_the_whole_sequence(new):
+    """Table 1's unsplit rows: a step on a DynamicCache built per call and on a StaticCache filled once give the
+    logits of the model run over the whole sequence without a cache; the static step again and again (each call
+    rewinds the cache to the past: without, the second call writes past the cache's end)."""
+    import torch
+
+    from bench.unsplit_calls import StaticStep, hf_call
+
+    model = _tiny_llama()
+    g = torch.Generator().manual_seed(1)
+    prompt, ids = torch.randint(0, 256, (2, 6), generator=g), torch.randint(0, 256, (2, new), generator=g)
+    with torch.inference_mode():
+        whole = model(input_ids=torch.cat([prompt, ids], dim=1), use_cache=False).logits[:, -new:]
+        out = model(input_ids=prompt, use_cache=True)
+        past = _past_of(getattr(out, "cache", None) or out.past_key_values)
+        close = functools.partial(torch.testing.assert_close, atol=1e-5, rtol=1e-5)
+        close(hf_call(model, ids, past), whole)
+        step = StaticStep(model, ids, past)
+        for _ in range(3):
+            close(step(model), whole)
+        prefill = StaticStep(model, prompt, [])                         # no past: the cache sized at set-up
+        for _ in range(2):
+            close(prefill(model), model(input_ids=prompt, use_cache=False).logits)
 
 
 def _row(variant, ms, check="ok"):
@@ -102,15 +148,15 @@ def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_pa
                              "--repeat", "100000", "--sample-ms", "2", "--json", str(out)], cwd=ROOT,   # --quick's
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)   # sizes, timing for ages
     seen, deadline = [], time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:     # until all 5 rows are set up: timing has begun
+    while proc.poll() is None and time.monotonic() < deadline:     # until all 7 rows are set up: timing has begun
         if out.exists():
             cases = json.loads(out.read_text())["cases"]
             if cases and cases[-1].get("partial") == "set-up":
                 seen.append(len(cases[-1]["rows"]))
-                if seen[-1] == 5:
+                if seen[-1] == 7:
                     break
         time.sleep(0.01)
-    assert proc.poll() is None and seen and seen[-1] == 5 and seen == sorted(seen), (seen, proc.poll())
+    assert proc.poll() is None and seen and seen[-1] == 7 and seen == sorted(seen), (seen, proc.poll())
     time.sleep(3.0)                                               # some rounds of samples
     proc.send_signal(signal.SIGINT)
     stdout = proc.communicate(timeout=120)[0]
@@ -119,7 +165,7 @@ def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_pa
     (case,) = doc["cases"]
     assert case["partial"] == "interrupted" and case["title"] == "decode step, batch 1, 1 token over 16 cached"
     assert doc["interrupted"].startswith("decode step, batch 1, 1 token over 16 cached: interrupted after ")
-    assert "with 5 rows set up and 5 timed" in doc["interrupted"] and doc["not_run"] == ["prefill batch 1"]
+    assert "with 7 rows set up and 7 timed" in doc["interrupted"] and doc["not_run"] == ["prefill batch 1"]
     counts = [r["samples"] for r in case["rows"]]
     assert min(counts) >= 1 and max(counts) - min(counts) <= 1, counts     # interleaved rounds
     assert all(r["check"].startswith("ok") for r in case["rows"])
