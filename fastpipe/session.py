@@ -295,9 +295,17 @@ class Session:
         program = self.program
         return planned_memory(program, {s: self.slot_devices[s] for s in program.slots if program.steps[s]})
 
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Drop this session's steps, constants and decoded graphs (weights and compiled graphs nobody
-        else holds are freed)."""
+        else holds are freed), and collect garbage. A session dropped without close() frees them as its
+        last reference goes too (fastpipe.runtime.release), except what reference cycles of the caller's
+        hold until the next collection. `with fastpipe.load(...) as session:` closes it at the end."""
         import dataclasses
 
         if self.processor == "dist" and self._processor is not None:   # let go of its process groups

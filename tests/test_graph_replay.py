@@ -434,6 +434,29 @@ def test_session_compile_captures_so_the_first_run_replays(fake):
     assert "replayed as one CUDA graph" in sess.describe()
 
 
+def test_a_dropped_session_with_a_captured_replay_frees_its_weights_at_once(fake):
+    """The replay holds its processor's run function weakly (fastpipe.runtime.release.weak_method), as the region
+    and cuda processors make it: captured and replayed, nothing in it leads back to the processor, so dropping the
+    session frees the weights with the collector off (a bound method here would keep them until a collection)."""
+    from fastpipe.runtime.release import weak_method
+    from fastpipe.weights import WeightStore
+
+    store = WeightStore()
+    sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="region", store=store, graph_pool=GraphPool())
+    sess.runner.replay = r = GraphReplay(weak_method(sess.runner._run_env), CPU, pool=sess.run_options.graph_pool)
+    sess.compile()
+    sess.run({"x": torch.randn(8, 64)})
+    assert r.replays == 1
+    gc.collect()
+    gc.disable()
+    try:
+        assert store.stats()["live_slices"] > 0
+        del sess
+        assert store.stats()["live_slices"] == 0
+    finally:
+        gc.enable()
+
+
 SET = GRAPHS.parent / "tests" / "data" / "serving" / "llama_tp2"
 
 

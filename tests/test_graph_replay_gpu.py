@@ -230,3 +230,29 @@ def test_grouped_copies_on_a_gpu_give_what_the_function_gives(grouped):
         for n, t in want.items():
             assert out[n].dtype == t.dtype and out[n].device == dev
             torch.testing.assert_close(out[n], t, rtol=1e-2 if n == "sum" else 0, atol=1e-2 if n == "sum" else 0)
+
+
+@pytest.mark.parametrize("processor,compile", [("region", False), ("region", True), ("cuda", True)])
+def test_a_dropped_session_frees_its_device_weights_at_once(processor, compile):
+    """Captured and replayed, a session dropped without close() frees its weights on the GPU as it goes, with the
+    collector off: no reference cycle holds its processor (the replay holds its run function weakly) or the
+    stitched graphs' weights (fastpipe.runtime.release)."""
+    import gc
+    import weakref
+
+    from fastpipe.weights import WeightStore
+
+    store = WeightStore()
+    sess = _session(processor, compile, store=store)
+    sess.compile()
+    sess.run({"x": _x(0).cuda()})
+    assert sess.runner.replay.replaying and store.stats()["live_device_copies"] > 0
+    held = [weakref.ref(t) for run in getattr(sess.runner, "runs", ()) if run.gm is not None for t in run.gm.buffers()]
+    gc.collect()
+    gc.disable()
+    try:
+        del sess
+        assert store.stats()["live_device_copies"] == 0 and store.stats()["live_slices"] == 0
+        assert [r for r in held if r() is not None] == []
+    finally:
+        gc.enable()

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from fastpipe.errors import CompileError
+from fastpipe.runtime.release import release_with
 from fastpipe.torch_compat import unique_graphs as _unique_graphs
 
 log = logging.getLogger("fastpipe")
@@ -71,6 +72,7 @@ class CompiledGraph:
         # the decoder builds lazy GraphModules (code generated on first use), which dynamo will not
         # trace: compile a regular GraphModule over the same validated graph and the same buffers
         gm = torch.fx.GraphModule(gm, gm.graph)
+        release_with(self, [gm])       # its own module (a cycle, as every GraphModule): freed with this object
         self.gm, self.where, self.policy, self.what = gm, where, policy, what
         # the bound forward, not the module: skips nn.Module call machinery (hooks) on every call
         self.fn = torch.compile(gm.forward, backend="inductor", fullgraph=True, dynamic=False)

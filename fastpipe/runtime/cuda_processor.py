@@ -36,6 +36,7 @@ reset_peak_memory()) next to the plan's predicted peak.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -43,6 +44,7 @@ import torch
 from fastpipe.errors import InputError
 from fastpipe.lower.program import Program
 from fastpipe.runtime.graph_replay import GraphReplay, Turns
+from fastpipe.runtime.release import weak_method
 from fastpipe.runtime.stream_issue import (
     CudaBackend,
     LaneRunner,
@@ -101,14 +103,16 @@ class CudaProcessor:
     def _replay(self, chunks: int) -> GraphReplay:
         r = self.replays.get(chunks)
         if r is None:
-            def whole_run(flat: dict, chunks=chunks) -> dict:
-                return flatten_chunks(self.runner.run(unflatten_chunks(flat, chunks)))
-
+            whole_run = functools.partial(weak_method(self._whole_run), chunks=chunks)   # no cycle: see release
             r = self.replays[chunks] = GraphReplay(whole_run, self.device, policy=self.compile_policy,
                                                    alias_outputs=self.alias_outputs, turns=self.turns)
             if self.graph_pool is not None:
                 r.use_pool(self.graph_pool)
         return r
+
+    def _whole_run(self, flat: dict, *, chunks: int) -> dict:
+        """A k-chunk run on flat inputs (what its GraphReplay captures)."""
+        return flatten_chunks(self.runner.run(unflatten_chunks(flat, chunks)))
 
     def use_pool(self, pool) -> None:
         """Capture every graph of this processor (one per chunk count, made and to be made) into

@@ -36,6 +36,7 @@ from fastpipe.lower.program import Program
 from fastpipe.lower.regions import Region, by_unit
 from fastpipe.runtime.execute import call, group_where, labelled, run_compute, run_group, step_args
 from fastpipe.runtime.inputs import dense, to_device
+from fastpipe.runtime.release import release_with, weak_method
 
 _COMPILED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
 
@@ -127,13 +128,15 @@ class RegionProcessor:
                                       compile_policy)
             slot, i = r.steps[0]
             self.runs.append(_RegionRun(r, cg if cg is not None else gm, program.steps[slot][i].device, gm, cg))
+        release_with(self, [run.gm for run in self.runs])   # the stitched graphs' weights go with this processor
         devices = {run.device for run in self.runs}
         self.replay = None
         dev = next(iter(devices))
         if cuda_graph and len(devices) == 1 and dev is not None and dev.type == "cuda":
             from fastpipe.runtime.graph_replay import GraphReplay
 
-            self.replay = GraphReplay(self._run_env, dev, policy=compile_policy, state=self.state, pool=graph_pool)
+            self.replay = GraphReplay(weak_method(self._run_env), dev, policy=compile_policy, state=self.state,
+                                      pool=graph_pool)
 
     def _state_in_place(self, r: Region, gm) -> int:
         """Make the region write its state outputs into their input tensors (fastpipe.runtime.region_state)."""
