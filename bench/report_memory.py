@@ -14,7 +14,11 @@ load    A checkpoint of --mb MiB (16 matrices, --dtype) and a pipeline whose con
         safetensors.torch.load_file(path, device=device); on a GPU fastpipe twice: its default upload
         (upload="pinned": pinned staging buffers, reading the file while the copy engine copies) and
         upload="pageable" (.to(device) per tensor, as safetensors does), the columns "pageable ratio"
-        (its time / safetensors') and "pinned / pageable" (what the staging buys). Both end with every
+        (its time / safetensors') and "pinned / pageable" (what the staging buys), and the default
+        upload again with torch's intra-op threads set to 1 for the load ("1 thread / pinned"): the
+        staging's host copy faults the file's pages in on every intra-op thread at once, which may
+        defeat the kernel's readahead on a cold file (pinned lost to pageable cold on the H200,
+        2026-11-27). All end with every
         byte resident on the device: on a GPU both copy every tensor there and the timer stops after
         torch.cuda.synchronize(); on the CPU both are lazy mmap views, so both then read every byte
         (a sum, as report_foundation does). "cold" drops the file from the page cache
@@ -258,6 +262,18 @@ def all_slots(path, device: torch.device) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------- section: load
+def one_intra_op_thread(fn):
+    """fn, called with torch's intra-op threads set to 1 (restored after)."""
+    def call():
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(n)
+    return call
+
+
 def section_load(args, device: torch.device, tmp: Path) -> list[dict]:
     pipeline, weights = write_load_pipeline(tmp / "load", total_mb=args.mb, dtype=args.dtype)
     dm = all_slots(pipeline, device)
@@ -305,8 +321,9 @@ def section_load(args, device: torch.device, tmp: Path) -> list[dict]:
         return dt, nbytes, there
 
     # on a GPU fastpipe's two uploads (pinned staging, the default; pageable .to() per tensor, as safetensors
-    # does); on the CPU there is no copy to make, so one fastpipe side
-    sides = (("baseline", baseline), ("fastpipe", ours)) + ((("pageable", lambda: ours("pageable")),) if cuda else ())
+    # does) and the default with one intra-op thread; on the CPU there is no copy to make, so one fastpipe side
+    sides = (("baseline", baseline), ("fastpipe", ours)) + (
+        (("pageable", lambda: ours("pageable")), ("one_thread", one_intra_op_thread(ours))) if cuda else ())
     first = {side: timed(side, fn, cold=False) for side, fn in sides}     # untimed: imports, CUDA context
     rows = []
     for mode in ("cold", "warm"):
@@ -335,16 +352,19 @@ def section_load(args, device: torch.device, tmp: Path) -> list[dict]:
             row.update({"pageable": "fastpipe.load(..., upload=\"pageable\")", "pageable_s": pg,
                         "pageable_ratio": pg / b, "pinned_vs_pageable": f / pg, "pageable_bytes_per_s": nbytes / pg,
                         "pageable_times_s": times["pageable"]})
+            one = statistics.median(times["one_thread"])
+            row.update({"one_thread": "fastpipe.load(...) with torch.set_num_threads(1)", "one_thread_s": one,
+                        "one_thread_vs_pinned": one / f, "one_thread_times_s": times["one_thread"]})
         rows.append(row)
     head = ("mode", "safetensors load_file", "fastpipe.load", "ratio", "safetensors GB/s", "fastpipe GB/s")
-    pageable = ("fastpipe pageable", "pageable ratio", "pinned / pageable") if cuda else ()
+    pageable = ("fastpipe pageable", "pageable ratio", "pinned / pageable", "1 thread / pinned") if cuda else ()
     print_table(f"load: {args.mb} MiB {args.dtype} checkpoint onto {device} (medians of {args.rounds}; "
                 f"file on {fs}; ratio: time / safetensors' time)",
                 head + pageable + ("every byte on device",),
                 [(r["mode"], f"{r['baseline_s'] * 1e3:.1f} ms", f"{r['fastpipe_s'] * 1e3:.1f} ms", f"{r['ratio']:.2f}x",
                   f"{r['baseline_bytes_per_s'] / 1e9:.2f}", f"{r['fastpipe_bytes_per_s'] / 1e9:.2f}")
-                 + ((f"{r['pageable_s'] * 1e3:.1f} ms", f"{r['pageable_ratio']:.2f}x", f"{r['pinned_vs_pageable']:.2f}x")
-                    if cuda else ())
+                 + ((f"{r['pageable_s'] * 1e3:.1f} ms", f"{r['pageable_ratio']:.2f}x", f"{r['pinned_vs_pageable']:.2f}x",
+                     f"{r['one_thread_vs_pinned']:.2f}x") if cuda else ())
                  + ("yes" if r["every_byte_on_device"] else "NO",) for r in rows])
     if fs == "tmpfs":
         print("note: the file is on a tmpfs (RAM): cold rounds read memory, not a disk (use --tmp DIR on a disk)")

@@ -32,10 +32,26 @@ def test_load_rows_and_pool_needs_a_gpu_on_cpu(tmp_path):
         assert r["bytes"] >= 15 * 2**20 and r["every_byte_on_device"] is True
         assert r["fastpipe_bytes_per_s"] == pytest.approx(r["bytes"] / r["fastpipe_s"])
         assert len(r["baseline_times_s"]) == len(r["fastpipe_times_s"]) == 2
-        assert "pageable_s" not in r              # the CPU makes no copy: one fastpipe side
+        assert "pageable_s" not in r and "one_thread_s" not in r   # the CPU makes no copy: one fastpipe side
     pool = doc["sections"]["pool"]["rows"]
     assert len(pool) == 1 and pool[0]["status"] == "needs a GPU"
     assert not any(k.endswith("_bytes") for k in pool[0])     # no numbers made up
+
+
+def test_one_intra_op_thread_for_the_call_only():
+    import torch
+
+    from bench.report_memory import one_intra_op_thread
+
+    before = torch.get_num_threads()
+    seen = []
+    assert one_intra_op_thread(lambda: seen.append(torch.get_num_threads()) or "out")() == "out"
+
+    def fails():
+        raise ValueError("x")
+    with pytest.raises(ValueError):
+        one_intra_op_thread(fails)()
+    assert seen == [1] and torch.get_num_threads() == before
 
 
 def test_memory_plan_rows_on_cpu(tmp_path):

@@ -75,6 +75,7 @@ def test_memory_table_on_a_gpu(tmp_path):
     assert all(r["every_byte_on_device"] and r["ratio"] > 0 for r in load)
     assert all(r["pinned_vs_pageable"] == pytest.approx(r["fastpipe_s"] / r["pageable_s"]) for r in load)
     assert all(len(r["pageable_times_s"]) == len(r["fastpipe_times_s"]) for r in load)
+    assert all(r["one_thread_vs_pinned"] == pytest.approx(r["one_thread_s"] / r["fastpipe_s"]) for r in load)
     memory = doc["sections"]["memory"]["rows"]
     assert len(memory) == 6 and all(r["measured"] is True and r["peak_allocated_bytes"] > 0 for r in memory)
     assert all(r["load_peak_bytes"] >= r["constants_measured_bytes"] > 0 for r in memory), memory
