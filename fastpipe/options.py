@@ -73,6 +73,11 @@ class RunOptions:
     state_in_place: bool = False
     """Outputs that are an input's updated version (a KV cache; fastpipe.runtime.state) are written into
     the tensor given as that input, which run() returns as the output: the caller hands those inputs over."""
+    alias_outputs: bool = False
+    """A replayed run (cuda_graph) returns the graph's own output buffers, not clones: no copy out, and no
+    memory for the copies, but each output is valid only until the next run of this session (in a shared
+    graph_pool: of any session in the pool), which overwrites it. For a caller that consumes each run's
+    outputs before the next (the serving engine's buckets). State outputs are the state buffers either way."""
     graph_pool: object = None
     """A fastpipe.runtime.graph_replay.GraphPool: the CUDA graph shares this memory pool with the other
     sessions' graphs in it (a serving set's buckets: capture the largest first). Their replays take turns
@@ -87,6 +92,7 @@ class RunOptions:
         _flag("cuda_graph", self.cuda_graph)
         _flag("merge_shards", self.merge_shards)
         _flag("state_in_place", self.state_in_place)
+        _flag("alias_outputs", self.alias_outputs)
         if self.state_in_place and self.processor == "dist":
             raise InputError("state_in_place: expected a one-process processor (outputs of dist live on rank 0), "
                              "found processor=\"dist\"")

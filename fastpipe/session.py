@@ -102,7 +102,8 @@ class Session:
         if self.processor == "cuda":
             from fastpipe.runtime.cuda_processor import CudaProcessor
 
-            proc = CudaProcessor(self.program, cuda_graph=opts.cuda_graph, compile_policy=opts.compile_policy)
+            proc = CudaProcessor(self.program, cuda_graph=opts.cuda_graph, compile_policy=opts.compile_policy,
+                                 alias_outputs=opts.alias_outputs)
             if opts.graph_pool is not None:
                 proc.use_pool(opts.graph_pool)               # every chunk count's graph
             return proc
@@ -117,7 +118,8 @@ class Session:
                                    compile_policy=opts.compile_policy, cuda_graph=opts.cuda_graph,
                                    merge_shards=opts.merge_shards,
                                    opaque_groups={d.group for d in self.fusion if d.fused}, state=self._in_place,
-                                   graph_pool=opts.graph_pool, substitute=self.store.substitute)
+                                   graph_pool=opts.graph_pool, alias_outputs=opts.alias_outputs,
+                                   substitute=self.store.substitute)
         return ReferenceProcessor(self.program)
 
     def _compiled(self) -> dict:
@@ -332,7 +334,8 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
          store: WeightStore | None = None, processor: str = "reference", compile: bool = False,
          compile_policy: str = "warn", cuda_graph: bool = True, fuse: str = "auto", merge_shards: bool = True,
          slot_ranks: Mapping[str, int] | None = None, dist_timeout: float | None = None,
-         state_in_place: bool = False, graph_pool=None, load_options: LoadOptions | None = None,
+         state_in_place: bool = False, alias_outputs: bool = False, graph_pool=None,
+         load_options: LoadOptions | None = None,
          run_options: RunOptions | None = None) -> Session:
     """Load, validate and bind a pipeline (a path to pipeline.json, or a Pipeline).
 
@@ -348,7 +351,7 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
                      upload=upload)
     ro = RunOptions(processor=processor, compile=compile, compile_policy=compile_policy, cuda_graph=cuda_graph,
                     fuse=fuse, merge_shards=merge_shards, slot_ranks=slot_ranks, dist_timeout=dist_timeout,
-                    state_in_place=state_in_place, graph_pool=graph_pool)
+                    state_in_place=state_in_place, alias_outputs=alias_outputs, graph_pool=graph_pool)
     for given, built, name in ((load_options, lo, "load_options"), (run_options, ro, "run_options")):
         if given is not None and built != type(built)():
             raise InputError(f"{name}: expected either {name} or its fields as keywords, found both")

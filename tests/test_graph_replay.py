@@ -478,6 +478,7 @@ def test_buckets_warm_up_largest_first_in_one_pool_on_the_engines_caches(monkeyp
         assert seen[1][2] and all(seen[1][1][n] is t for n, t in eng.kv.tensors.items())
         assert isinstance(bs.graph_pool, GraphPool)
         assert all(s.run_options.graph_pool is bs.graph_pool for s in bs.sessions())
+        assert all(s.run_options.alias_outputs for s in bs.sessions())    # replays hand out their buffers
         seen.clear()
         eng.buckets.decodes[2].compile_report = None
         eng.buckets.warmup()             # no caches given: the decode bucket is not captured on seeded ones
@@ -489,6 +490,7 @@ def test_buckets_warm_up_largest_first_in_one_pool_on_the_engines_caches(monkeyp
         bs.close()
     bs = ServingBuckets(SET, run_options=RunOptions(processor="region"))
     assert isinstance(bs.graph_pool, GraphPool) and all(s.run_options.graph_pool is bs.graph_pool for s in bs.sessions())
+    assert all(s.run_options.alias_outputs for s in bs.sessions())
     bs.close()
 
 

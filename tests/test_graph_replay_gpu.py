@@ -66,6 +66,22 @@ def test_after_compile_every_run_is_a_replay_and_its_outputs_stay_valid(processo
     assert len({o.data_ptr() for o in outs}) == len(outs)
 
 
+@pytest.mark.parametrize("processor", ["region", "cuda"])
+def test_aliased_outputs_are_the_graphs_buffers_valid_until_the_next_run(processor):
+    """alias_outputs=True: every replay returns the same output tensor (the graph's buffer, no clone), right when
+    read before the next run and overwritten by it."""
+    ref = fastpipe.load(TP_MLP)
+    sess = _session(processor, alias_outputs=True)
+    sess.compile()
+    replay = sess.runner.replay
+    assert replay.replaying and replay.alias_outputs
+    first = sess.run({"x": _x(0).cuda()})["y"]
+    torch.testing.assert_close(first.cpu(), ref.run({"x": _x(0)})["y"], **TOL)
+    second = sess.run({"x": _x(1).cuda()})["y"]
+    assert second.data_ptr() == first.data_ptr() and replay.replays == 2
+    torch.testing.assert_close(first.cpu(), ref.run({"x": _x(1)})["y"], **TOL)      # overwritten by run 2
+
+
 def _pool_bytes(pool_id) -> int:
     """Bytes of the allocator's segments that belong to this CUDA-graph memory pool."""
     return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(pool_id))

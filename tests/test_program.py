@@ -89,6 +89,7 @@ def test_options_are_frozen_and_validated():
     for kwargs, message in [
         ({"processor": "gpu"}, 'processor: expected one of auto, reference, region, cpu, cuda, dist, found "gpu"'),
         ({"merge_shards": "no"}, "merge_shards: expected true or false, found 'no'"),
+        ({"alias_outputs": 1}, "alias_outputs: expected true or false, found 1"),
         ({"compile": "yes"}, "compile: expected true or false, found 'yes'"),
         ({"compile_policy": "ignore"}, 'compile_policy: expected warn or raise, found "ignore"'),
         ({"cuda_graph": 1}, "cuda_graph: expected true or false, found 1"),

@@ -13,6 +13,10 @@ copy there, fastpipe.weights.WeightStore.load), and share one
 CUDA-graph memory pool (`graph_pool`, fastpipe.runtime.graph_replay.GraphPool): warmup() captures
 the largest bucket first, and the smaller ones reuse its memory. Graphs in one pool take turns (the
 engine runs one step at a time on one worker anyway): a bucket never replays while another does.
+Replayed, a bucket returns its graph's own output buffers, not clones (RunOptions.alias_outputs): a
+prefill's logits [B, S, V] are not copied once more before the engine reads its rows' last ones. So
+a bucket's outputs are valid until the next run of any bucket: the engine reads (copies, samples)
+each run's before the next; a caller of a bucket's session must do the same, or clone.
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ class ServingBuckets:
         self.store = store or WeightStore()
         ro = load_kwargs.get("run_options")
         self.graph_pool = (ro.graph_pool if ro is not None else load_kwargs.get("graph_pool")) or GraphPool()
-        load_kwargs = self._with(load_kwargs, graph_pool=self.graph_pool)
+        load_kwargs = self._with(load_kwargs, graph_pool=self.graph_pool, alias_outputs=True)
         self.decodes: dict[int, object] = {}
         self.prefills: dict[tuple[int, int], object] = {}
         for path in paths:

@@ -81,12 +81,13 @@ class _RegionRun:
 class RegionProcessor:
     def __init__(self, program: Program, groups: Mapping, *, compile: bool = False, compile_policy: str = "warn",
                  cuda_graph: bool = True, merge_shards: bool = True, opaque_groups=(),
-                 state: Mapping[str, str] | None = None, graph_pool=None,
+                 state: Mapping[str, str] | None = None, graph_pool=None, alias_outputs: bool = False,
                  substitute: Callable[[list], None] | None = None):
         """`groups`: the checked comm groups (kind, params); `opaque_groups`: groups whose bound
         callable must run as is (fused kernels) instead of their one-device function; `state`: input ->
         its updated output, written into the input's tensor in the graph (fastpipe.runtime.state);
         `graph_pool`: a fastpipe.runtime.graph_replay.GraphPool for the CUDA graph (None: its own);
+        `alias_outputs`: a replayed run returns the graph's output buffers, not clones (GraphReplay);
         `substitute`: told [(shard, view of its merged weight)] as each merged group is made (a
         WeightStore's substitute: later sessions loading the shards get the views), before the shards go.
         The Program's steps must be the only other holders of their constants (the Session drops
@@ -136,7 +137,7 @@ class RegionProcessor:
             from fastpipe.runtime.graph_replay import GraphReplay
 
             self.replay = GraphReplay(weak_method(self._run_env), dev, policy=compile_policy, state=self.state,
-                                      pool=graph_pool)
+                                      pool=graph_pool, alias_outputs=alias_outputs)
 
     def _state_in_place(self, r: Region, gm) -> int:
         """Make the region write its state outputs into their input tensors (fastpipe.runtime.region_state)."""
