@@ -21,6 +21,9 @@ Variants on a GPU:
   ..., a copy per tensor                 the same replay copying its inputs in and outputs out one tensor
                                          at a time, not one launch per dtype group (GraphReplay's
                                          grouped_copies): what the grouping saves per call
+  ..., outputs aliased                   the same replay returning its output buffers, not clones
+                                         (alias_outputs=True: valid until the next run, as the serving
+                                         engine's buckets and reduce-overhead's outputs are)
   unsplit eager / unsplit compiled /     the HF model on the same device: eager, torch.compile
   unsplit compiled, reduce-overhead      (dynamic=False), and torch.compile(mode="reduce-overhead"),
                                          on a DynamicCache of the past built in each call
@@ -91,10 +94,15 @@ CUDA_VARIANTS = [
     ("fastpipe region compiled", dict(processor="region", compile=True, cuda_graph=False)),
     ("fastpipe region compiled + replay", dict(processor="region", compile=True, cuda_graph=True)),
     ("fastpipe region compiled + replay, a copy per tensor", dict(processor="region", compile=True, cuda_graph=True)),
+    ("fastpipe region compiled + replay, outputs aliased", dict(processor="region", compile=True, cuda_graph=True,
+                                                                 alias_outputs=True)),
 ]
 # rows whose replay copies its inputs in and outputs out one tensor at a time (GraphReplay.grouped_copies=False),
 # against the grouped copies every other replay makes (one launch per dtype group): what grouping saves per call
 PER_TENSOR_COPIES = {"fastpipe region compiled + replay, a copy per tensor": "fastpipe region compiled + replay"}
+# the replay handing out its output buffers (RunOptions.alias_outputs, as the serving engine runs its buckets, and as
+# torch.compile's reduce-overhead hands out its outputs) against its clones of them: what the copy out costs per call
+ALIASED = {"fastpipe region compiled + replay, outputs aliased": "fastpipe region compiled + replay"}
 CPU_VARIANTS = [
     ("fastpipe region compiled", dict(processor="region", compile=True)),
     ("fastpipe region eager", dict(processor="region")),
@@ -345,6 +353,10 @@ def verdicts(rows: list[Row], batch: int) -> dict:
         slow, fast = median(rows, per_tensor), median(rows, grouped)
         if slow and fast:
             out["grouped_copies_gain"] = slow / fast
+    for aliased, cloned in ALIASED.items():
+        fast, slow = median(rows, aliased), median(rows, cloned)
+        if slow and fast:
+            out["aliased_outputs_gain"] = slow / fast
     ok = [r for r in rows if r.samples and not r.check.startswith("MISMATCH")]
     ours = [r for r in ok if r.variant.startswith("fastpipe")]
     theirs = [r for r in ok if r.variant in UNSPLIT_COMPILED]
@@ -374,6 +386,8 @@ def verdict_lines(v: dict) -> list[str]:
     if "grouped_copies_gain" in v:
         out.append(f"the replay's copies grouped (one launch per dtype) vs a copy per tensor: "
                    f"{v['grouped_copies_gain']:.2f}x faster")
+    if "aliased_outputs_gain" in v:
+        out.append(f"the replay handing out its output buffers vs cloning them: {v['aliased_outputs_gain']:.2f}x faster")
     if "best_vs_unsplit_compiled" in v:
         out.append(f"best fastpipe ({v['best_fastpipe']}) / best unsplit compiled ({v['best_unsplit_compiled']}): "
                    f"{v['best_vs_unsplit_compiled']:.2f}x (target <= 1.1x: "

@@ -113,6 +113,11 @@ def test_verdicts_targets():
     assert verdicts(rows, batch=1)["grouped_copies_gain"] == pytest.approx(1.2)
     assert "the replay's copies grouped (one launch per dtype) vs a copy per tensor: 1.20x faster" in verdict_lines(
         verdicts(rows, batch=1))
+    assert "aliased_outputs_gain" not in verdicts(rows, batch=1)
+    rows.append(_row("fastpipe region compiled + replay, outputs aliased", 0.75))
+    v = verdicts(rows, batch=1)
+    assert v["aliased_outputs_gain"] == pytest.approx(1.2) and v["best_fastpipe"].endswith("outputs aliased")
+    assert "the replay handing out its output buffers vs cloning them: 1.20x faster" in verdict_lines(v)
 
 
 def test_tolerance_is_float32_noise_plus_twice_the_unsplit_models_own_error():

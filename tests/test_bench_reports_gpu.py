@@ -40,11 +40,12 @@ def test_runtime_table_on_a_gpu(tmp_path):
         if name.startswith("fastpipe") or name.endswith(" eager"):
             assert row["error"] == "" and row["check"].startswith("ok"), (name, row)
             assert row["median_ms"] > 0, name
-    for name in ("fastpipe region compiled + replay", "fastpipe region compiled + replay, a copy per tensor"):
+    for name in ("fastpipe region compiled + replay", "fastpipe region compiled + replay, a copy per tensor",
+                 "fastpipe region compiled + replay, outputs aliased"):
         assert any("replayed as one CUDA graph" in n for n in rows[name]["notes"]), rows[name]["notes"]
     v = case["verdicts"]
     assert {"replay_vs_eager_streams", "replay_target_met", "replay_vs_compiled_streams", "grouped_copies_gain",
-            "best_vs_unsplit_compiled"} <= set(v), v
+            "aliased_outputs_gain", "best_vs_unsplit_compiled"} <= set(v), v
     assert doc["failed"] == [] and "interrupted" not in doc
 
 
