@@ -24,14 +24,18 @@ Variants on a GPU:
   ..., outputs aliased                   the same replay returning its output buffers, not clones
                                          (alias_outputs=True: valid until the next run, as the serving
                                          engine's buckets and reduce-overhead's outputs are)
+  fastpipe static cache (the engine's    decode only: the serving set's decode step (a static cache of
+  decode step), region compiled + replay past + 1 positions, written in place at cache_position), as
+                                         the engine runs it (state in place, outputs aliased): the
+                                         fastpipe side of the unsplit static-cache rows
   unsplit eager / unsplit compiled /     the HF model on the same device: eager, torch.compile
   unsplit compiled, reduce-overhead      (dynamic=False), and torch.compile(mode="reduce-overhead"),
                                          on a DynamicCache of the past built in each call
   unsplit static cache eager / ...       the same three on a StaticCache of past + seq positions,
                                          filled once (how a server runs the unsplit model: the step
                                          writes in place, addresses fixed for CUDA graphs)
-On a CPU: the region processor compiled and eager, the cpu processor eager, the unsplit model eager
-and compiled on either cache.
+On a CPU: the region processor compiled and eager, the cpu processor eager, the static-cache decode
+step compiled, the unsplit model eager and compiled on either cache.
 
 What is timed: a fastpipe row times `session.run(inputs)` on the pipeline's own inputs, already
 sliced per slot and on the device (as a server holds them); a replayed run includes what a caller
@@ -109,6 +113,8 @@ CPU_VARIANTS = [
     ("fastpipe cpu processor eager", dict(processor="cpu")),
 ]
 REPLAY, STREAMS = "fastpipe cuda, graph replay", "fastpipe cuda, eager streams"
+STATIC_STEP_GPU = "fastpipe static cache (the engine's decode step), region compiled + replay"
+STATIC_STEP_CPU = "fastpipe static cache (the engine's decode step), region compiled"
 COMPILED_STREAMS = "fastpipe cuda, compiled streams"
 UNSPLIT_COMPILED = ("unsplit compiled", "unsplit compiled, reduce-overhead",
                     "unsplit static cache compiled", "unsplit static cache compiled, reduce-overhead")
@@ -271,8 +277,49 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
             row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             traceback.print_exc()
         progress()
+    if step == "decode":
+        static_step_row(folder, out.parent / f"{out.name}_static", host, dev, store, check, timed, rows)
+        progress()
     unsplit_rows(args, model, ids, past, check, timed, dev, rows, progress)
     return rows
+
+
+def static_step_row(folder: Path, out: Path, host: dict, dev, store, check, timed, rows: list[Row]) -> None:
+    """The serving engine's decode step (fastpipe.generation.build: a static cache of exactly past + 1
+    positions, written in place at cache_position), region compiled (+ replay on a GPU, outputs aliased),
+    as the engine runs its buckets: the fastpipe row to hold against the unsplit static-cache rows. Its caches
+    hold the past; every call writes the new token's keys and values at the same position."""
+    import torch
+
+    import fastpipe
+    from fastpipe.builder.hf.build import build_hf
+    from fastpipe.format import read_pipeline
+    from fastpipe.model_io import assemble_outputs, flatten_args, to_pipeline_inputs
+
+    past = host["past_key_values"]
+    batch, past_len = host["input_ids"].shape[0], past[0][0].shape[2]
+    row = Row(STATIC_STEP_GPU if dev.type == "cuda" else STATIC_STEP_CPU)
+    rows.append(row)
+    try:
+        path = build_hf(folder, tp=2, batch=batch, seq_len=1, max_len=past_len + 1).save(out)
+        caches = []
+        for k, v in past:                                   # [B, Hkv, past, D] -> [B, Hkv, past + 1, D]
+            caches.append([torch.cat([t, torch.zeros_like(t[:, :, :1])], dim=2) for t in (k, v)])
+        model = {"input_ids": host["input_ids"], "cache_position": torch.full((batch,), past_len),
+                 "past_key_values": caches}
+        sess = fastpipe.load(path, device_map={s: str(dev) for s in read_pipeline(path).devices},
+                             store=store, processor="region", compile=True, state_in_place=True,
+                             alias_outputs=True)
+        inputs = {n: t.to(dev) for n, t in to_pipeline_inputs(sess.pipeline, flatten_args(model)).items()}
+        rep = sess.compile(inputs)
+        row.compile_s = rep.seconds
+        row.notes.append(sess.describe() + "; the serving set's decode step, state in place, outputs aliased")
+        fn = timed(lambda: sess.run(inputs))
+        row.check = check(assemble_outputs(sess.pipeline, fn(), only=("logits",))["logits"])
+        row.fn, row.session = fn, sess
+    except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table, not the end of the run
+        row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        traceback.print_exc()
 
 
 def unsplit_rows(args, model, ids, past, check, timed, dev, rows: list[Row], progress=lambda: None) -> None:

@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_report_runtime_quick_cpu(tmp_path):
     pytest.importorskip("transformers")
+    from bench.report_runtime import STATIC_STEP_CPU
+
     out = tmp_path / "runtime.json"
     r = subprocess.run([sys.executable, "bench/report_runtime.py", "--device", "cpu", "--quick", "--cases", "decode",
                         "--dtype", "bfloat16", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -22,7 +24,7 @@ def test_report_runtime_quick_cpu(tmp_path):
     rows = {row["variant"]: row for row in doc["cases"][0]["rows"]}
     assert set(rows) == {"fastpipe region compiled", "fastpipe region eager", "fastpipe cpu processor eager",
                          "unsplit eager", "unsplit compiled", "unsplit static cache eager",
-                         "unsplit static cache compiled"}
+                         "unsplit static cache compiled", STATIC_STEP_CPU}
     for name, row in rows.items():                 # bf16 rows against the unsplit model in float32
         assert row["error"] == "", (name, row["error"])
         assert row["check"].startswith("ok"), (name, row["check"])
@@ -153,15 +155,15 @@ def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_pa
                              "--repeat", "100000", "--sample-ms", "2", "--json", str(out)], cwd=ROOT,   # --quick's
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)   # sizes, timing for ages
     seen, deadline = [], time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:     # until all 7 rows are set up: timing has begun
+    while proc.poll() is None and time.monotonic() < deadline:     # until all 8 rows are set up: timing has begun
         if out.exists():
             cases = json.loads(out.read_text())["cases"]
             if cases and cases[-1].get("partial") == "set-up":
                 seen.append(len(cases[-1]["rows"]))
-                if seen[-1] == 7:
+                if seen[-1] == 8:
                     break
         time.sleep(0.01)
-    assert proc.poll() is None and seen and seen[-1] == 7 and seen == sorted(seen), (seen, proc.poll())
+    assert proc.poll() is None and seen and seen[-1] == 8 and seen == sorted(seen), (seen, proc.poll())
     time.sleep(3.0)                                               # some rounds of samples
     proc.send_signal(signal.SIGINT)
     stdout = proc.communicate(timeout=120)[0]
@@ -170,7 +172,7 @@ def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_pa
     (case,) = doc["cases"]
     assert case["partial"] == "interrupted" and case["title"] == "decode step, batch 1, 1 token over 16 cached"
     assert doc["interrupted"].startswith("decode step, batch 1, 1 token over 16 cached: interrupted after ")
-    assert "with 7 rows set up and 7 timed" in doc["interrupted"] and doc["not_run"] == ["prefill batch 1"]
+    assert "with 8 rows set up and 8 timed" in doc["interrupted"] and doc["not_run"] == ["prefill batch 1"]
     counts = [r["samples"] for r in case["rows"]]
     assert min(counts) >= 1 and max(counts) - min(counts) <= 1, counts     # interleaved rounds
     assert all(r["check"].startswith("ok") for r in case["rows"])
