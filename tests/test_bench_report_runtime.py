@@ -163,7 +163,10 @@ def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_pa
                 if seen[-1] == 8:
                     break
         time.sleep(0.01)
-    assert proc.poll() is None and seen and seen[-1] == 8 and seen == sorted(seen), (seen, proc.poll())
+    if proc.poll() is not None or not seen or seen[-1] != 8:     # say why: the script's own output, if it ended
+        tail = proc.stdout.read()[-3000:] if proc.poll() is not None else "(still running)"
+        pytest.fail(f"rows set up as seen: {seen}; exit status {proc.poll()}; {tail}")
+    assert seen == sorted(seen), seen
     time.sleep(3.0)                                               # some rounds of samples
     proc.send_signal(signal.SIGINT)
     stdout = proc.communicate(timeout=120)[0]
