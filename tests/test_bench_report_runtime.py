@@ -164,7 +164,8 @@ def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_pa
                     break
         time.sleep(0.01)
     if proc.poll() is not None or not seen or seen[-1] != 8:     # say why: the script's own output, if it ended
-        tail = proc.stdout.read()[-3000:] if proc.poll() is not None else "(still running)"
+        tail = proc.stdout.read()[-3000:] if proc.poll() is not None else "(still running: killed)"
+        proc.kill()
         pytest.fail(f"rows set up as seen: {seen}; exit status {proc.poll()}; {tail}")
     assert seen == sorted(seen), seen
     time.sleep(3.0)                                               # some rounds of samples
