@@ -87,7 +87,9 @@ def first_call(fn) -> tuple[float, list[str]]:
     return dt, [" ".join(str(w.message).split()) for w in caught if "fastpipe" in str(w.message)]
 
 
-def measure(rows: list[Row], repeat: int, warmup: int, sample_ms: float) -> None:
+def measure(rows: list[Row], repeat: int, warmup: int, sample_ms: float, stop=lambda: False) -> None:
+    """Time each live row: warm-up calls, then `repeat` interleaved samples (round r samples every row
+    once). stop(): checked after each sample; true raises KeyboardInterrupt (the samples taken are kept)."""
     live = [r for r in rows if r.fn is not None and not r.error]
     for r in live:
         for _ in range(warmup):
@@ -102,6 +104,8 @@ def measure(rows: list[Row], repeat: int, warmup: int, sample_ms: float) -> None
             for _ in range(r.inner):
                 r.fn()
             r.samples.append((time.perf_counter() - t) * 1e3 / r.inner)
+            if stop():
+                raise KeyboardInterrupt
 
 
 def pct(xs: list[float], q: float) -> float:

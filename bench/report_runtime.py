@@ -69,6 +69,9 @@ limit), it writes the case in progress with the samples each row has so far ("pa
 prefill 1, decode 8, ...), so a cut-off run has the batch-1 targets first. --budget-s starts no case
 that would end past that many seconds, judged by the longest case so far, and says which cases it
 left.
+The script installs its own SIGINT handler (a process started with SIGINT ignored, as a background job
+without job control is, still stops), and remembers the signal: the sample loop and the row set-up stop
+at their next step even where torch swallowed the KeyboardInterrupt itself.
 """
 from __future__ import annotations
 
@@ -485,7 +488,31 @@ def over_budget(elapsed: float, longest: float, budget: float) -> bool:
     return bool(budget) and elapsed + longest > budget
 
 
+_SIGINTS: list[int] = []
+
+
+def _on_sigint(signum, frame) -> None:
+    """SIGINT raises KeyboardInterrupt, as Python's own handler, and is remembered, so that the sample loop
+    and the row set-up stop at their next step even where something below swallowed the exception."""
+    _SIGINTS.append(signum)
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
+    """Installs its SIGINT handler even where the process started with SIGINT ignored (a background job
+    without job control, as gpu_check.sh's stage may be: its stage limit is a SIGINT, and Python leaves an
+    ignored one ignored); the handler before is restored at the end."""
+    import signal
+
+    _SIGINTS.clear()
+    before = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _main(argv) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     import torch
@@ -531,9 +558,11 @@ def main(argv=None) -> int:
             def progress(title=title, step=step, b=b, rows=rows):   # after each row's set-up: a cut-off run keeps them
                 if args.json:
                     write_json(args.json, {**doc, "cases": doc["cases"] + [case_entry(title, step, b, rows, "set-up")]})
+                if _SIGINTS:
+                    raise KeyboardInterrupt
             try:
                 run_case(args, step, b, folder, model, store, Path(tmp) / f"{step}{b}", model32, rows, progress)
-                measure(rows, args.repeat, args.warmup, args.sample_ms)
+                measure(rows, args.repeat, args.warmup, args.sample_ms, stop=lambda: bool(_SIGINTS))
             except KeyboardInterrupt:            # gpu_check's stage limit (SIGINT): keep what this case has
                 timed = sum(bool(r.samples) for r in rows)
                 doc["interrupted"] = (f"{title}: interrupted after {time.perf_counter() - t_case:.0f} s, with "

@@ -85,6 +85,18 @@ def test_unsplit_steps_match_the_model_over_the_whole_sequence(new):
             close(prefill(model), model(input_ids=prompt, use_cache=False).logits)
 
 
+def test_measure_stops_at_the_next_sample_once_told():
+    """report_runtime's SIGINT handler is remembered: the sample loop stops at its next sample even where the
+    KeyboardInterrupt itself was swallowed below it, keeping the samples taken."""
+    from bench.report_region import Row, measure
+
+    calls = []
+    rows = [Row("a", fn=lambda: calls.append("a")), Row("b", fn=lambda: calls.append("b"))]
+    with pytest.raises(KeyboardInterrupt):
+        measure(rows, repeat=100, warmup=0, sample_ms=0.0, stop=lambda: len(rows[0].samples) + len(rows[1].samples) >= 3)
+    assert [len(r.samples) for r in rows] == [2, 1]
+
+
 def _row(variant, ms, check="ok"):
     from bench.report_region import Row
 
@@ -143,7 +155,8 @@ def test_cases_run_batch_by_batch_and_stop_before_one_that_would_overrun():
 def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_path):
     """gpu_check stops a stage with SIGINT at its limit: --json is rewritten after each row's set-up ("partial":
     "set-up"), and an interrupted case is written with each row's samples so far ("partial": "interrupted"), the
-    cases after it as not run, exit status 130 -- not nothing, as when the JSON was written per case only."""
+    cases after it as not run, exit status 130 -- not nothing, as when the JSON was written per case only. The script
+    starts with SIGINT ignored, as a background job without job control does: it installs its own handler."""
     import os
     import signal
     import time
@@ -153,7 +166,8 @@ def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_pa
     tiny = "--layers 1 --hidden 64 --heads 4 --kv-heads 2 --vocab 256 --batches 1 --past 16 --prefill-len 16".split()
     proc = subprocess.Popen([sys.executable, "bench/report_runtime.py", "--device", "cpu", *tiny, "--warmup", "1",
                              "--repeat", "100000", "--sample-ms", "2", "--json", str(out)], cwd=ROOT,   # --quick's
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)   # sizes, timing for ages
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,   # sizes, timing for ages
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     seen, deadline = [], time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:     # until all 8 rows are set up: timing has begun
         if out.exists():
@@ -170,7 +184,11 @@ def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_pa
     assert seen == sorted(seen), seen
     time.sleep(3.0)                                               # some rounds of samples
     proc.send_signal(signal.SIGINT)
-    stdout = proc.communicate(timeout=120)[0]
+    try:
+        stdout = proc.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the script went on for 120 s after SIGINT: {proc.communicate()[0][-3000:]}")
     assert proc.returncode == 130, stdout[-3000:]
     doc = json.loads(out.read_text())
     (case,) = doc["cases"]
