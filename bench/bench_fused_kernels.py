@@ -713,4 +713,7 @@ def write_results(path, doc: dict) -> None:
 
 
 if __name__ == "__main__":
+    from bench.sigint import stop_on_sigint
+
+    stop_on_sigint()            # even where started with SIGINT ignored (gpu_check's stage limit)
     sys.exit(main())

@@ -746,4 +746,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from bench.sigint import stop_on_sigint
+
+    stop_on_sigint()            # even where started with SIGINT ignored (gpu_check's stage limit)
     sys.exit(main())
