@@ -21,8 +21,8 @@ def _script(install: bool) -> str:
             stop_on_sigint()
         child = subprocess.Popen([sys.executable, "-c", {CHILD!r}], stdout=subprocess.PIPE, text=True)
         child.stdout.readline()
-        print("up", child.pid, flush=True)
-        try:
+        try:                                   # before "up": the signal may come at once
+            print("up", child.pid, flush=True)
             time.sleep(60)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
@@ -32,7 +32,8 @@ def _script(install: bool) -> str:
 
 @pytest.mark.parametrize("install", [True, False])
 def test_sigint_stops_a_script_started_with_it_ignored_and_its_children(install):
-    proc = subprocess.Popen([sys.executable, "-c", _script(install)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", _script(install)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN), start_new_session=True)
     try:
         line = proc.stdout.readline().split()
