@@ -69,8 +69,8 @@ limit), it writes the case in progress with the samples each row has so far ("pa
 prefill 1, decode 8, ...), so a cut-off run has the batch-1 targets first. --budget-s starts no case
 that would end past that many seconds, judged by the longest case so far, and says which cases it
 left.
-The script installs its own SIGINT handler (a process started with SIGINT ignored, as a background job
-without job control is, still stops), and remembers the signal: the sample loop and the row set-up stop
+The script installs its own SIGINT handler (bench.sigint: a process started with SIGINT ignored, as a
+background job without job control is, still stops), which remembers the signal: the sample loop and the row set-up stop
 at their next step even where torch swallowed the KeyboardInterrupt itself.
 """
 from __future__ import annotations
@@ -92,6 +92,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report_region import Row, first_call, measure, pct  # noqa: E402   (every timed fn here syncs)
 from bench.report_region import table as region_table  # noqa: E402
+from bench.sigint import interrupted, stop_on_sigint  # noqa: E402
 from bench.unsplit_calls import hf_call  # noqa: E402
 
 CUDA_VARIANTS = [
@@ -215,11 +216,9 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
     row's set-up."""
     import torch
 
-    import fastpipe
     from fastpipe.builder.hf.build import build_hf
-    from fastpipe.torch_compat import unique_graphs
     from fastpipe.format import read_pipeline
-    from fastpipe.model_io import assemble_outputs, flatten_args, to_pipeline_inputs
+    from fastpipe.model_io import flatten_args, to_pipeline_inputs
 
     dev = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -250,79 +249,77 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
         return f"{'ok' if err <= tol else 'MISMATCH'} (max err {err:.1e}, tol {tol:.1e})"
 
     pipeline = read_pipeline(path)              # its slots, and its inputs: sliced per slot, on the device
-    slots = list(pipeline.devices)
     inputs = {n: t.to(dev) for n, t in to_pipeline_inputs(pipeline, flatten_args(host)).items()}
     rows = [] if rows is None else rows
-    variants = CUDA_VARIANTS if dev.type == "cuda" else CPU_VARIANTS
-    for label, kw in variants:
-        row = Row(label)
-        rows.append(row)
-        try:
-            sess = fastpipe.load(path, device_map={s: str(dev) for s in slots}, store=store, **kw)
-            if label in PER_TENSOR_COPIES:
-                sess.runner.replay.grouped_copies = False
-            before = unique_graphs()
-            rep = sess.compile(inputs)
-            if kw.get("compile"):
-                row.compile_s = rep.seconds
-                row.shared = unique_graphs() == before and bool(rows[:-1]) and not rep.eager   # a row above's
-                if rep.eager:
-                    row.notes.append(f"left eager by a failed compile: {', '.join(map(str, rep.eager))}")
-            row.notes.append(sess.describe())
-            fn = timed(lambda s=sess: s.run(inputs))
-            dt, warned = first_call(fn)
-            if warned:
-                row.recompile_s = dt
-                row.notes.append(f"the first call after warm-up took {dt * 1e3:.0f} ms: " + " | ".join(sorted(set(warned))))
-            row.check = check(assemble_outputs(sess.pipeline, fn(), only=("logits",))["logits"])
-            row.fn, row.session = fn, sess
-        except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table, not the end of the run
-            row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-            traceback.print_exc()
+    for label, kw in (CUDA_VARIANTS if dev.type == "cuda" else CPU_VARIANTS):
+        fastpipe_row(label, lambda: (path, pipeline, inputs), kw, dev, store, check, timed, rows)
         progress()
     if step == "decode":
-        static_step_row(folder, out.parent / f"{out.name}_static", host, dev, store, check, timed, rows)
+        fastpipe_row(STATIC_STEP_GPU if dev.type == "cuda" else STATIC_STEP_CPU,
+                     lambda: static_step(folder, out.parent / f"{out.name}_static", host, dev),
+                     dict(processor="region", compile=True, state_in_place=True, alias_outputs=True),
+                     dev, store, check, timed, rows, note="the serving set's decode step, state in place, outputs aliased")
         progress()
     unsplit_rows(args, model, ids, past, check, timed, dev, rows, progress)
     return rows
 
 
-def static_step_row(folder: Path, out: Path, host: dict, dev, store, check, timed, rows: list[Row]) -> None:
-    """The serving engine's decode step (fastpipe.generation.build: a static cache of exactly past + 1
-    positions, written in place at cache_position), region compiled (+ replay on a GPU, outputs aliased),
-    as the engine runs its buckets: the fastpipe row to hold against the unsplit static-cache rows. Its caches
-    hold the past; every call writes the new token's keys and values at the same position."""
-    import torch
-
+def fastpipe_row(label: str, make, kw: dict, dev, store, check, timed, rows: list[Row], note: str = "") -> None:
+    """One fastpipe row, appended to rows: make() -> (pipeline.json path, its Pipeline, its inputs on dev); the
+    session loaded with every slot on dev and `kw`, compiled (and captured) on those inputs, its first call
+    watched for a recompile, its logits checked. A failure is the row's error, not the end of the run."""
     import fastpipe
-    from fastpipe.builder.hf.build import build_hf
-    from fastpipe.format import read_pipeline
-    from fastpipe.model_io import assemble_outputs, flatten_args, to_pipeline_inputs
+    from fastpipe.model_io import assemble_outputs
+    from fastpipe.torch_compat import unique_graphs
 
-    past = host["past_key_values"]
-    batch, past_len = host["input_ids"].shape[0], past[0][0].shape[2]
-    row = Row(STATIC_STEP_GPU if dev.type == "cuda" else STATIC_STEP_CPU)
+    row = Row(label)
     rows.append(row)
     try:
-        path = build_hf(folder, tp=2, batch=batch, seq_len=1, max_len=past_len + 1).save(out)
-        caches = []
-        for k, v in past:                                   # [B, Hkv, past, D] -> [B, Hkv, past + 1, D]
-            caches.append([torch.cat([t, torch.zeros_like(t[:, :, :1])], dim=2) for t in (k, v)])
-        model = {"input_ids": host["input_ids"], "cache_position": torch.full((batch,), past_len),
-                 "past_key_values": caches}
-        sess = fastpipe.load(path, device_map={s: str(dev) for s in read_pipeline(path).devices},
-                             store=store, processor="region", compile=True, state_in_place=True,
-                             alias_outputs=True)
-        inputs = {n: t.to(dev) for n, t in to_pipeline_inputs(sess.pipeline, flatten_args(model)).items()}
+        path, pipeline, inputs = make()
+        sess = fastpipe.load(path, device_map={s: str(dev) for s in pipeline.devices}, store=store, **kw)
+        if label in PER_TENSOR_COPIES:
+            sess.runner.replay.grouped_copies = False
+        before = unique_graphs()
         rep = sess.compile(inputs)
-        row.compile_s = rep.seconds
-        row.notes.append(sess.describe() + "; the serving set's decode step, state in place, outputs aliased")
+        if kw.get("compile"):
+            row.compile_s = rep.seconds
+            row.shared = unique_graphs() == before and bool(rows[:-1]) and not rep.eager   # a row above's
+            if rep.eager:
+                row.notes.append(f"left eager by a failed compile: {', '.join(map(str, rep.eager))}")
+        row.notes.append(sess.describe() + (f"; {note}" if note else ""))
         fn = timed(lambda: sess.run(inputs))
+        dt, warned = first_call(fn)
+        if warned:
+            row.recompile_s = dt
+            row.notes.append(f"the first call after warm-up took {dt * 1e3:.0f} ms: " + " | ".join(sorted(set(warned))))
         row.check = check(assemble_outputs(sess.pipeline, fn(), only=("logits",))["logits"])
         row.fn, row.session = fn, sess
     except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table, not the end of the run
         row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         traceback.print_exc()
+
+
+def static_step(folder: Path, out: Path, host: dict, dev):
+    """The serving engine's decode step (fastpipe.generation.build: a static cache of exactly past + 1
+    positions, written in place at cache_position), to run as the engine runs its buckets (region compiled,
+    + replay on a GPU, state in place, outputs aliased): the fastpipe row to hold against the unsplit
+    static-cache rows. Its caches hold the past; every call writes the new token's keys and values at the
+    same position. Returns (path, Pipeline, inputs on dev)."""
+    import torch
+
+    from fastpipe.builder.hf.build import build_hf
+    from fastpipe.format import read_pipeline
+    from fastpipe.model_io import flatten_args, to_pipeline_inputs
+
+    past = host["past_key_values"]
+    batch, past_len = host["input_ids"].shape[0], past[0][0].shape[2]
+    path = build_hf(folder, tp=2, batch=batch, seq_len=1, max_len=past_len + 1).save(out)
+    caches = [[torch.cat([t, torch.zeros_like(t[:, :, :1])], dim=2) for t in kv]   # [B, Hkv, past + 1, D]
+              for kv in past]
+    model = {"input_ids": host["input_ids"], "cache_position": torch.full((batch,), past_len),
+             "past_key_values": caches}
+    pipeline = read_pipeline(path)
+    return path, pipeline, {n: t.to(dev) for n, t in to_pipeline_inputs(pipeline, flatten_args(model)).items()}
 
 
 def unsplit_rows(args, model, ids, past, check, timed, dev, rows: list[Row], progress=lambda: None) -> None:
@@ -488,24 +485,12 @@ def over_budget(elapsed: float, longest: float, budget: float) -> bool:
     return bool(budget) and elapsed + longest > budget
 
 
-_SIGINTS: list[int] = []
-
-
-def _on_sigint(signum, frame) -> None:
-    """SIGINT raises KeyboardInterrupt, as Python's own handler, and is remembered, so that the sample loop
-    and the row set-up stop at their next step even where something below swallowed the exception."""
-    _SIGINTS.append(signum)
-    raise KeyboardInterrupt
-
-
 def main(argv=None) -> int:
-    """Installs its SIGINT handler even where the process started with SIGINT ignored (a background job
-    without job control, as gpu_check.sh's stage may be: its stage limit is a SIGINT, and Python leaves an
-    ignored one ignored); the handler before is restored at the end."""
+    """Stops on SIGINT even where the process started with it ignored (bench.sigint: gpu_check.sh's stage
+    limit); the handler before is restored at the end."""
     import signal
 
-    _SIGINTS.clear()
-    before = signal.signal(signal.SIGINT, _on_sigint)
+    before = stop_on_sigint()
     try:
         return _main(argv)
     finally:
@@ -558,11 +543,11 @@ def _main(argv) -> int:
             def progress(title=title, step=step, b=b, rows=rows):   # after each row's set-up: a cut-off run keeps them
                 if args.json:
                     write_json(args.json, {**doc, "cases": doc["cases"] + [case_entry(title, step, b, rows, "set-up")]})
-                if _SIGINTS:
+                if interrupted():
                     raise KeyboardInterrupt
             try:
                 run_case(args, step, b, folder, model, store, Path(tmp) / f"{step}{b}", model32, rows, progress)
-                measure(rows, args.repeat, args.warmup, args.sample_ms, stop=lambda: bool(_SIGINTS))
+                measure(rows, args.repeat, args.warmup, args.sample_ms, stop=interrupted)
             except KeyboardInterrupt:            # gpu_check's stage limit (SIGINT): keep what this case has
                 timed = sum(bool(r.samples) for r in rows)
                 doc["interrupted"] = (f"{title}: interrupted after {time.perf_counter() - t_case:.0f} s, with "

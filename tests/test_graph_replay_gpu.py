@@ -256,6 +256,7 @@ def test_a_dropped_session_frees_its_device_weights_at_once(processor, compile):
     import gc
     import weakref
 
+    from fastpipe.runtime.cuda_capture import no_collection
     from fastpipe.weights import WeightStore
 
     store = WeightStore()
@@ -265,10 +266,7 @@ def test_a_dropped_session_frees_its_device_weights_at_once(processor, compile):
     assert sess.runner.replay.replaying and store.stats()["live_device_copies"] > 0
     held = [weakref.ref(t) for run in getattr(sess.runner, "runs", ()) if run.gm is not None for t in run.gm.buffers()]
     gc.collect()
-    gc.disable()
-    try:
+    with no_collection():
         del sess
         assert store.stats()["live_device_copies"] == 0 and store.stats()["live_slices"] == 0
         assert [r for r in held if r() is not None] == []
-    finally:
-        gc.enable()

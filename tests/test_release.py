@@ -11,6 +11,7 @@ import torch
 
 import fastpipe
 from fastpipe.random_inputs import random_inputs
+from fastpipe.runtime import cuda_capture
 from fastpipe.runtime.release import drop_constants, release_with, weak_method
 from fastpipe.weights import WeightStore
 from tests.examples import GRAPHS
@@ -18,12 +19,11 @@ from tests.examples import GRAPHS
 
 @contextlib.contextmanager
 def no_collection():
+    """The collector off (fastpipe.runtime.cuda_capture.no_collection), after one collection of what earlier
+    tests left."""
     gc.collect()
-    gc.disable()
-    try:
+    with cuda_capture.no_collection():
         yield
-    finally:
-        gc.enable()
 
 
 @pytest.mark.parametrize("processor,compile", [("region", False), ("region", True), ("reference", False),
