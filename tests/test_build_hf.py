@@ -98,6 +98,31 @@ def test_region_compiled_equals_reference_with_and_without_chunks(checkpoints, t
                 torch.testing.assert_close(two[k][c * b:(c + 1) * b], got[k], rtol=1e-5, atol=1e-5)
 
 
+LAST = [("gpt2", 2, 2, 0, False), ("llama", 4, 1, 0, False), ("llama", 2, 2, P, False), ("llama", 2, 1, None, True),
+        ("gpt2", 1, 1, 0, False)]
+
+
+@pytest.mark.parametrize("family, tp, pp, past_len, sp", LAST, ids=[f"{f}-tp{t}-pp{p}-past{q}-sp{s}" for f, t, p, q, s in LAST])
+def test_last_logits_equal_unsplit_logits_at_each_rows_position(checkpoints, tmp_path, family, tp, pp, past_len, sp):
+    """A pipeline built with last_logits takes logits_index [B] and returns logits [B, 1, V]: the unsplit
+    model's full logits read at each row's position (the caches unchanged by it), on the reference
+    processor and the region one (compiled)."""
+    folder, model = checkpoints[family]
+    built = build_hf(folder, tp=tp, pp=pp, batch=B, seq_len=S, past_len=past_len, sequence_parallel=sp,
+                     last_logits=True)
+    sess = fastpipe.load(built.save(tmp_path / "out"))
+    meta = sess.pipeline.metadata
+    assert meta.tensors_inputs["logits_index"].shape == (B,) and meta.tensors_inputs["logits_index"].dtype == "i64"
+    assert meta.tensors_outputs["logits"].shape == (B, 1, model.config.vocab_size)
+    ins, past = originals(family, model.config, past_len, seed=5)
+    ins["logits_index"] = torch.tensor([S - 1, 3])
+    full = hf_reference(model, family, ins, past)
+    ref = dict(full, logits=full["logits"][torch.arange(B), ins["logits_index"]].unsqueeze(1))    # [B, 1, V]
+    assert assert_outputs_match(sess, run_model_level(sess, ins), ref) == len(meta.slices_outputs)
+    region = fastpipe.load(sess.pipeline, processor="region", compile=True)
+    assert_outputs_match(region, run_model_level(region, ins), ref)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sequence_parallel(checkpoints, tmp_path, family, tp):
@@ -195,6 +220,30 @@ def test_cli_build_then_run_check(checkpoints, tmp_path, capsys):
     assert main(["run", str(out / "pipeline.json"), "--inputs", str(tmp_path / "in.safetensors"),
                  "--check", str(tmp_path / "expected.safetensors")]) == 0
     assert "check: 2 outputs match" in capsys.readouterr().out
+
+
+def test_cli_build_last_logits_then_run_check(checkpoints, tmp_path, capsys):
+    """`fastpipe build --past-len 0 --last-logits`: a prefill taking logits_index; `fastpipe run` checks it
+    against the unsplit model's logits at those positions, and runs it on random inputs too."""
+    from safetensors.torch import save_file
+
+    from fastpipe.cli import main
+
+    folder, model = checkpoints["gpt2"]
+    out = tmp_path / "out"
+    assert main(["build", str(folder), "--tp", "2", "--batch", str(B), "--seq-len", str(S), "--past-len", "0",
+                 "--last-logits", "-o", str(out)]) == 0
+    capsys.readouterr()
+    ins, _ = originals("gpt2", model.config, None, seed=4)
+    ins["logits_index"] = torch.tensor([2, S - 1])
+    full = hf_reference(model, "gpt2", ins, [])
+    want = {"logits": full["logits"][torch.arange(B), ins["logits_index"]].unsqueeze(1)}      # [B, 1, V]
+    save_file(ins, str(tmp_path / "in.safetensors"))
+    save_file(want, str(tmp_path / "expected.safetensors"))
+    assert main(["run", str(out / "pipeline.json"), "--inputs", str(tmp_path / "in.safetensors"),
+                 "--check", str(tmp_path / "expected.safetensors")]) == 0
+    assert "check: 1 outputs match" in capsys.readouterr().out
+    assert main(["run", str(out / "pipeline.json")]) == 0                   # seeded random inputs
 
 
 def test_cli_build_errors(checkpoints, tmp_path, capsys):

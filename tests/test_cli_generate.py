@@ -131,6 +131,7 @@ def test_build_max_len_without_serve_is_one_static_cache_step(model_dir, tmp_pat
     (["--serve", "--max-len", "48", "--past-len", "0"], "--past-len: expected none with --serve"),
     (["--batches", "1,2"], "--batches: expected with --serve (they shape a serving set), found without"),
     (["--max-len", "48", "--past-len", "4"], "--past-len/--max-len: expected one of them, found both"),
+    (["--max-len", "48", "--last-logits"], "--last-logits/--max-len: expected one of them, found both"),
     (["--serve", "--max-len", "48", "--prompt-lens", "8,64"],
      "--prompt-lens: expected comma-separated integers >= 1 and <= 48, found '8,64'"),
     (["--serve", "--max-len", "48", "--batches", "1,x"], "--batches: expected comma-separated integers >= 1"),

@@ -158,6 +158,45 @@ def test_static_cache_trace_ops_are_documented(ckpt, key):
     assert {"aten.index_put.default", "aten.full.default"} <= seen
 
 
+LAST_CASES = [("gpt2", 0), ("gpt2", None), ("llama_gqa_4_2", 0), ("llama_gqa_8_2_tied", P), ("qwen2", 0)]
+
+
+@pytest.mark.parametrize("key,past_len", LAST_CASES, ids=[f"{k}-past{p}" for k, p in LAST_CASES])
+def test_last_logits_trace_equals_hf_logits_at_each_rows_position(ckpt, key, past_len):
+    """last_logits: logits_index [B] in, logits [B, 1, V] out, equal to the HF model's full logits
+    [B, S, V] read at each row's position; an out-of-range position reads the nearest end (clamped),
+    never another row's or unallocated memory. The caches are the full forward's."""
+    model_dir, ref = ckpt(key)
+    model, config, family = load_skeleton(model_dir)
+    ff = traced_forward(model, family, config, batch=B, seq_len=S, past_len=past_len, last_logits=True)
+    sig = ff.signature
+    assert sig.input_names[:2] == ["input_ids", "logits_index"] and sig.inputs[1].shape == (B,)
+    assert sig.inputs[1].dtype == torch.int64 and sig.outputs[0].shape == (B, 1, config.vocab_size)
+    w = _weights(model_dir, model)
+    gm = trace_fake(ff, w)
+    SEEN_OPS.update(_check_graph(gm))
+    xs = sig.example_inputs(seed=11, vocab_size=config.vocab_size)
+    assert ((xs[1] >= 0) & (xs[1] < S)).all()
+    flat_sig = flat_signature(family, config, B, S, past_len)
+    want = _hf_reference(ref, family, flat_sig, [xs[0], *xs[2:]])
+    rows = torch.arange(B)
+    for index, at in [(torch.tensor([S - 1, 2]), torch.tensor([S - 1, 2])),
+                      (torch.tensor([S + 5, -4]), torch.tensor([S - 1, 0]))]:   # clamped
+        got = gm(ordered(ff, w), xs[0], index, *xs[2:])
+        assert len(got) == len(sig.outputs)
+        assert tuple(got[0].shape) == (B, 1, config.vocab_size)
+        torch.testing.assert_close(got[0][:, 0], want[0][rows, at], **TOL)
+        for g, e in zip(got[1:], want[1:]):
+            torch.testing.assert_close(g, e, **TOL)
+
+
+def test_last_logits_signature_refuses_encoders_and_static_caches():
+    with pytest.raises(InvalidInput, match="last_logits"):
+        flat_signature("bert", CONFIGS["bert"](), B, S, past_len=None, last_logits=True)
+    with pytest.raises(InvalidInput, match="last_logits"):
+        flat_signature("llama", CONFIGS["llama_gqa_4_2"](), B, 1, max_len=16, last_logits=True)
+
+
 def test_signature_names_and_idx():
     cfg = CONFIGS["llama_gqa_4_2"]()
     sig = flat_signature("llama", cfg, B, S, past_len=5)

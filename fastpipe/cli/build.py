@@ -21,6 +21,9 @@ def cmd_build(args) -> int:
     if args.serve:
         return _build_serving_set(args, model_dir)
     given = _given(args, "--batches", "--prompt-lens")
+    if args.last_logits and args.max_len is not None:
+        raise InputError("--last-logits/--max-len: expected one of them, found both (a static-cache step's logits "
+                         "are one per row already)")
     if given:
         raise InputError(f"{'/'.join(given)}: expected with --serve (they shape a serving set), found without")
     batch = 1 if args.batch is None else args.batch
@@ -44,7 +47,7 @@ def cmd_build(args) -> int:
         built = build_hf(model_dir, tp=args.tp, pp=args.pp, batch=batch, seq_len=seq_len,
                          past_len=args.past_len, sequence_parallel=args.sequence_parallel,
                          split_points=args.split_points.split(",") if args.split_points else None,
-                         max_len=args.max_len)
+                         max_len=args.max_len, last_logits=args.last_logits)
     except ValueError as e:
         raise InputError(f"build: {' '.join(str(e).split())}") from None
     try:

@@ -27,6 +27,12 @@ inputs, resp. outputs, weights not counted):
     l0k, l0v, l1k, ...). Positions are P..P+S-1: the model derives them from the
     cache length (a static shape), no position_ids input. No attention_mask:
     every token attends causally to the whole past (no padding).
+  ``last_logits=True`` (any of the three above): one more input after input_ids,
+    logits_index[B] int64, the position in each row whose logits are wanted, and logits[B,1,V]
+    at that position only: a serving prefill on right-padded prompts needs each row's last real
+    token's, not [B,S,V] (at Llama-3's 128k vocabulary, 8 x 2048 tokens of bf16 logits are 4 GiB).
+    The hidden states [B,S,H] are gathered at the (clamped: never an out-of-range read) positions
+    before the output projection, which so runs on B rows instead of B x S.
   decoders with a static cache, ``max_len=M`` (``past_len`` ignored):
                   in  input_ids[B,S], cache_position[B] int64, past_key_values_{l}_{0|1}[B,Hkv,M,D]
                   out logits[B,S,V], past_key_values_{l}_{0|1}[B,Hkv,M,D]   (the same names: updated caches)
@@ -63,7 +69,8 @@ from fastpipe.errors import BuildError
 # against it). aten.detach appears only when the traced params require grad
 # (nn.Parameters passed as they are: Llama's rotary runs under no_grad).
 # A static cache (max_len) adds aten.index_put (the cache write) and aten.full
-# (the mask's minimum); tests/test_static_cache.py checks those traces.
+# (the mask's minimum); tests/test_static_cache.py checks those traces. last_logits adds aten.clamp
+# (the positions' bounds; the gather is aten.index.Tensor).
 # transformers 5.17 (the GPU machine's) builds the eager mask with
 # torch.where(mask, torch.tensor(0.0), min): a constant, read through aten.lift_fresh_copy
 # (VERSION_DEPENDENT_OPS: 5.23 and 5.24 trace no such op).
@@ -71,7 +78,8 @@ VERSION_DEPENDENT_OPS = frozenset({"aten.lift_fresh_copy.default"})
 ATEN_OPS = frozenset({
     "aten._softmax.default", "aten._to_copy.default", "aten._unsafe_view.default", "aten.add.Tensor",
     "aten.addmm.default", "aten.alias.default", "aten.arange.default", "aten.bitwise_and.Tensor",
-    "aten.bmm.default", "aten.cat.default", "aten.clone.default", "aten.cos.default", "aten.detach.default",
+    "aten.bmm.default", "aten.cat.default", "aten.clamp.default", "aten.clone.default", "aten.cos.default",
+    "aten.detach.default",
     "aten.embedding.default", "aten.expand.default", "aten.full.default", "aten.ge.Scalar",
     "aten.gelu.default", "aten.index.Tensor", "aten.index_put.default", "aten.le.Tensor",
     "aten.lift_fresh_copy.default", "aten.mean.dim",
@@ -100,6 +108,7 @@ class FlatSignature:
     inputs: tuple[FlatTensor, ...]
     outputs: tuple[FlatTensor, ...]
     max_len: int | None = None  # a static KV cache of max_len positions (module docstring)
+    last_logits: bool = False   # logits_index [B] in, logits [B, 1, V] out (module docstring)
 
     @property
     def input_names(self) -> list[str]:
@@ -120,6 +129,8 @@ class FlatSignature:
                 x = torch.ones(t.shape, dtype=t.dtype)
             elif t.name == "token_type_ids":
                 x = torch.randint(0, 2, t.shape, generator=g)
+            elif t.name == "logits_index":
+                x = torch.randint(0, self.seq_len, t.shape, generator=g)
             else:
                 x = torch.randn(t.shape, generator=g)
             out.append(x.to(device=device, dtype=t.dtype))
@@ -154,10 +165,12 @@ def attention_dims(family: str, config) -> tuple[int, int, int, int]:
 
 def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int | None = 0, *,
                    dtype: torch.dtype | None = None, num_kv_heads: int | None = None,
-                   pooler: bool = True, max_len: int | None = None) -> FlatSignature:
+                   pooler: bool = True, max_len: int | None = None, last_logits: bool = False) -> FlatSignature:
     """Names, shapes, dtypes and idx of the flat inputs/outputs (see module docstring).
 
     ``max_len``: a static KV cache of that many positions (decoders; see the module docstring).
+    ``last_logits``: logits_index [B] in, the logits at those positions [B, 1, V] out (decoders
+    without a static cache).
 
     ``dtype``: of the cache and the float outputs (default: config.dtype or
     float32). ``num_kv_heads`` overrides the KV head count (a rank-local
@@ -178,7 +191,12 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
             outs.append(("pooler_output", (batch, config.hidden_size), dt))
         past_len = None
     elif family in ("gpt2", "llama"):
-        outs.append(("logits", (batch, seq_len, config.vocab_size), dt))
+        if last_logits:
+            if max_len is not None:
+                raise BuildError("last_logits: expected off with a static cache (max_len: a decode step's "
+                                 "logits are already one per row), found on")
+            ins.append(("logits_index", (batch,), i64))
+        outs.append(("logits", (batch, 1 if last_logits else seq_len, config.vocab_size), dt))
         if max_len is not None:
             if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < seq_len:
                 raise BuildError(f"max_len: expected an integer >= seq_len ({seq_len}), found {max_len!r}")
@@ -206,11 +224,13 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
                     outs.append((kv_name(layer, which), (batch, kv, past_len + seq_len, head_dim), dt))
     else:
         raise BuildError(f"family: expected gpt2, llama or bert, found {family!r}")
+    if last_logits and family == "bert":
+        raise BuildError("last_logits: expected off for bert (an encoder: no logits), found on")
     return FlatSignature(
         family, batch, seq_len, past_len,
         tuple(FlatTensor(n, s, d, i) for i, (n, s, d) in enumerate(ins)),
         tuple(FlatTensor(n, s, d, i) for i, (n, s, d) in enumerate(outs)),
-        max_len if family != "bert" else None,
+        max_len if family != "bert" else None, bool(last_logits),
     )
 
 
@@ -316,7 +336,7 @@ class FlatForward:
 
 def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
                    past_len: int | None = 0, num_kv_heads: int | None = None,
-                   max_len: int | None = None) -> FlatForward:
+                   max_len: int | None = None, last_logits: bool = False) -> FlatForward:
     """The flat function of ``model`` for one static shape (see module docstring).
 
     ``num_kv_heads``: the KV heads the module holds when it is a rank-local
@@ -331,7 +351,7 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
     dtype = next(iter(model.parameters())).dtype
     layers = attention_dims(family, config)[0]
     sig = flat_signature(family, config, batch, seq_len, past_len, dtype=dtype, pooler=pooler,
-                         num_kv_heads=num_kv_heads, max_len=max_len)
+                         num_kv_heads=num_kv_heads, max_len=max_len, last_logits=last_logits)
     n_in = len(sig.inputs)
 
     def check(ps: Mapping[str, torch.Tensor], flat: tuple) -> None:
@@ -361,19 +381,52 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
             for layer in cache.layers:
                 res += [layer.keys, layer.values]
             return tuple(res)
+    elif sig.last_logits:
+        rows = _RowLogits(model)
+
+        def fn(ps, input_ids, logits_index, *past):
+            check(ps, (input_ids, logits_index, *past))
+            cache = flat_cache(layers, past)
+            logits = torch.func.functional_call(rows, {f"lm.{n}": t for n, t in ps.items()}, (),
+                                                {"input_ids": input_ids, "logits_index": logits_index, "cache": cache})
+            return (logits, *_cache_outputs(cache, past_len))
     else:
         def fn(ps, input_ids, *past):
             check(ps, (input_ids, *past))
             cache = flat_cache(layers, past)
             out = torch.func.functional_call(model, dict(ps), (), {
                 "input_ids": input_ids, "past_key_values": cache, "use_cache": True})
-            res = [out.logits]
-            if past_len is not None:
-                for layer in cache.layers:
-                    res += [layer.keys.contiguous(), layer.values.contiguous()]
-            return tuple(res)
+            return (out.logits, *_cache_outputs(cache, past_len))
 
     return FlatForward(fn, sig, params, non_persistent)
+
+
+def _cache_outputs(cache, past_len: int | None) -> list[torch.Tensor]:
+    """The updated flat caches [l0 keys, l0 values, ...] of a dynamic cache (none without a KV cache)."""
+    res = []
+    if past_len is not None:
+        for layer in cache.layers:
+            res += [layer.keys.contiguous(), layer.values.contiguous()]
+    return res
+
+
+class _RowLogits(torch.nn.Module):
+    """A causal LM's logits at one position per row: its base model (``lm.base_model``, which is what
+    the LM's own forward calls), the last hidden states gathered at ``logits_index``, then the LM's
+    output projection -- what the LM's forward computes with ``logits_to_keep`` selecting a position
+    per row instead of one for all rows."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, logits_index, cache):
+        out = self.lm.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state                                      # [B, S, H]
+        b, s = hidden.shape[0], hidden.shape[1]
+        at = logits_index.clamp(0, s - 1)                                   # [B], never out of range
+        picked = hidden[torch.arange(b, device=hidden.device), at]          # [B, H]
+        return self.lm.get_output_embeddings()(picked.unsqueeze(1))         # [B, 1, V]
 
 
 def ordered(ff: FlatForward, params: Mapping[str, torch.Tensor], *, buffers: bool = True) -> dict[str, torch.Tensor]:
