@@ -72,6 +72,42 @@ def test_greedy_tokens_equal_transformers_generate(served):
         assert toks == _hf_greedy(model, p, 64)
 
 
+def test_prefills_return_only_each_rows_last_logits(served):
+    """The serving set's prefills take logits_index [B] and return logits [B, 1, V], no [B, S, V]: the
+    engine passes each prompt's last real token (its tokens are checked above)."""
+    from fastpipe.format import read_pipeline
+    from fastpipe.generation.buckets import last_logits_only
+
+    family, model, folder, paths = served
+    prefills = [read_pipeline(p) for p in paths if p.parent.name.startswith("prefill_")]
+    assert len(prefills) == 4
+    for p in prefills:
+        b, s = p.metadata.tensors_inputs["input_ids"].shape
+        assert p.metadata.tensors_inputs["logits_index"].shape == (b,)
+        assert p.metadata.tensors_outputs["logits"].shape == (b, 1, model.config.vocab_size)
+    with Engine(folder, eos_token_id=None, compile=False, warmup=False) as eng:
+        assert all(last_logits_only(sess) for sess in eng.buckets.prefills.values())
+
+
+def test_an_older_set_whose_prefills_return_every_positions_logits_still_serves(tmp_path):
+    """A serving set written before prefills took logits_index (input_ids -> logits [B, S, V]) is still
+    served: the engine reads each row's logits at its last real token."""
+    import shutil
+
+    from fastpipe.builder.hf.build import build_hf
+    from fastpipe.generation.buckets import last_logits_only
+
+    model = save_random_checkpoint(CONFIGS["llama"](), tmp_path / "m", seed=5).eval()
+    build_serving_set(tmp_path / "m", tmp_path / "set", max_len=32, batches=(2,), prompt_lens=(8,), tp=2)
+    shutil.rmtree(tmp_path / "set" / "prefill_b2_s8")
+    build_hf(tmp_path / "m", tp=2, batch=2, seq_len=8, past_len=0).save(tmp_path / "set" / "prefill_b2_s8")
+    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
+    with Engine(tmp_path / "set", eos_token_id=None, compile=False) as eng:
+        assert not last_logits_only(eng.buckets.prefills[(2, 8)])
+        got = eng.generate(prompts, max_new_tokens=6)
+    assert got == [_hf_greedy(model, p, 6) for p in prompts]
+
+
 def test_pipelines_and_graphs_do_not_grow_with_tokens(llama_set):
     """Compiled: 4 tokens and then 40 tokens use the same sessions and the same compiled graphs; no
     recompilation happens after warm-up; the caches keep their addresses."""

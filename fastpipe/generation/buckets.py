@@ -6,15 +6,17 @@
     bs.max_len, bs.vocab
 
 A decode pipeline is one whose model inputs are input_ids [B, 1], cache_position [B] and caches
-[B, Hkv, M, D] returned updated (M = max_len); a prefill pipeline takes input_ids [B, S] only
-and returns logits and caches [B, Hkv, S, D]. Anything else in the folder is refused by name.
+[B, Hkv, M, D] returned updated (M = max_len); a prefill pipeline takes input_ids [B, S] and
+logits_index [B] (each row's last real token) and returns that position's logits [B, 1, V] and
+caches [B, Hkv, S, D]; a prefill of an older set, input_ids only -> logits [B, S, V], is served
+too (`last_logits_only(session)` tells them apart). Anything else in the folder is refused by name.
 All buckets load through one WeightStore: each weight slice is read and held once (on a GPU: one
 copy there, fastpipe.weights.WeightStore.load), and share one
 CUDA-graph memory pool (`graph_pool`, fastpipe.runtime.graph_replay.GraphPool): warmup() captures
 the largest bucket first, and the smaller ones reuse its memory. Graphs in one pool take turns (the
 engine runs one step at a time on one worker anyway): a bucket never replays while another does.
 Replayed, a bucket returns its graph's own output buffers, not clones (RunOptions.alias_outputs): a
-prefill's logits [B, S, V] are not copied once more before the engine reads its rows' last ones. So
+prefill's caches are not copied once more before the engine copies them into its rows. So
 a bucket's outputs are valid until the next run of any bucket: the engine reads (copies, samples)
 each run's before the next; a caller of a bucket's session must do the same, or clone.
 """
@@ -27,6 +29,7 @@ from typing import Mapping, Sequence
 from fastpipe.errors import InputError
 
 KV_PREFIX = "past_key_values_"
+LOGITS_INDEX = "logits_index"
 
 
 def _kind(p) -> str | None:
@@ -37,9 +40,15 @@ def _kind(p) -> str | None:
     kv_out = [n for n in outs if n.startswith(KV_PREFIX)]
     if set(ins) == {"input_ids", "cache_position", *kv_in} and kv_in and set(kv_in) == set(kv_out):
         return "decode" if ins["input_ids"].shape[1] == 1 else None
-    if set(ins) == {"input_ids"} and kv_out:
+    if set(ins) in ({"input_ids"}, {"input_ids", LOGITS_INDEX}) and kv_out:
         return "prefill"
     return None
+
+
+def last_logits_only(session) -> bool:
+    """Whether a prefill bucket takes logits_index [B] and returns logits [B, 1, V] at those positions
+    (fastpipe.generation.build), rather than logits [B, S, V] at every position (an older set)."""
+    return LOGITS_INDEX in session.pipeline.metadata.tensors_inputs
 
 
 def pipeline_paths(source: str | os.PathLike | Sequence) -> list[Path]:
@@ -72,7 +81,7 @@ class ServingBuckets:
             p = read_pipeline(path)
             kind = _kind(p)
             if kind is None:
-                raise InputError(f"serving set: {path}: expected a prefill (input_ids -> logits, caches) or a "
+                raise InputError(f"serving set: {path}: expected a prefill (input_ids[, logits_index] -> logits, caches) or a "
                                  "static-cache decode step (input_ids, cache_position, caches), found model inputs "
                                  + ", ".join(sorted(p.metadata.tensors_inputs)))
             ids = p.metadata.tensors_inputs["input_ids"].shape
