@@ -31,8 +31,11 @@ load    A checkpoint of --mb MiB (16 matrices, --dtype) and a pipeline whose con
 
 memory  A random Llama-family checkpoint (bench.generation_cases.make_model; --layers, --hidden,
         --vocab), built with tp=2 (build_hf) at a decode shape (batch 1, 1 token over --past=128
-        cached: past_len=128) and a prefill shape (batch 1, --seq=64 tokens, past_len=0: it also
-        returns the KV cache). On a GPU, both slots on the one device, for the cuda processor with
+        cached: past_len=128), a prefill shape (batch 1, --seq=64 tokens, past_len=0: it also
+        returns the KV cache) and the same prefill as a serving set builds it (last_logits: it takes
+        logits_index and returns one position's logits, [1, 1, V] instead of [1, S, V]; a line after
+        the table gives its plan activations, and on a GPU its run's own and peak reserved memory,
+        over the full-logits prefill's). On a GPU, both slots on the one device, for the cuda processor with
         cuda_graph=True and False (fx steps eager) and the region processor (cuda_graph=True,
         compile per --compile): load, inputs placed on the GPU by the caller, Session.compile()
         (warm-up run; captures the graph where there is one), empty_cache, reset of the peak
@@ -398,11 +401,15 @@ class Models:
             self._built[name] = build_hf(self.model_dir, tp=2, **kw).save(self.tmp / name)
         return self._built[name]
 
-    def shapes(self) -> list[tuple[str, Path]]:
+    def shapes(self) -> list[tuple[str, str, Path]]:
+        """(kind, label, pipeline) of the memory section's shapes."""
         a = self.args
-        return [(f"decode (batch 1, 1 token over {a.past} cached)",
+        return [("decode", f"decode (batch 1, 1 token over {a.past} cached)",
                  self.pipeline("decode", batch=1, seq_len=1, past_len=a.past)),
-                (f"prefill (batch 1, seq {a.seq})", self.pipeline("prefill", batch=1, seq_len=a.seq, past_len=0))]
+                ("prefill", f"prefill (batch 1, seq {a.seq}), logits of every position",
+                 self.pipeline("prefill", batch=1, seq_len=a.seq, past_len=0)),
+                ("serving_prefill", f"serving prefill (batch 1, seq {a.seq}), logits of the last token",
+                 self.pipeline("serving_prefill", batch=1, seq_len=a.seq, past_len=0, last_logits=True))]
 
 
 # ---------------------------------------------------------------------------------- section: memory
@@ -510,12 +517,13 @@ def section_memory(args, device: torch.device, models: Models, progress=lambda r
     else:
         variants = [("cpu", dict(processor="cpu")), ("region", dict(processor="region", compile=False))]
     rows = []
-    for shape, path in models.shapes():
+    for kind, shape, path in models.shapes():
         for label, kw in variants:
             try:
-                rows.append(measure_run(path, shape, label, kw, device) if cuda else measure_plan(path, shape, label, kw))
+                row = measure_run(path, shape, label, kw, device) if cuda else measure_plan(path, shape, label, kw)
             except Exception as e:  # noqa: BLE001 - recorded, the other rows still run
-                rows.append(error_row("memory", e, shape=shape, processor=label))
+                row = error_row("memory", e, shape=shape, processor=label)
+            rows.append(dict(row, kind=kind))
             progress(rows)
     model = f"Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, tp=2 on one device"
     ok = [r for r in rows if "error" not in r]
@@ -543,7 +551,35 @@ def section_memory(args, device: torch.device, models: Models, progress=lambda r
                     [(r["shape"], r["processor"], mib(r["predicted_peak_bytes"]), mib(r["constant_bytes"]),
                       mib(r["activation_bytes"]), "needs a GPU") for r in ok])
         print("measured peak memory (torch.cuda.max_memory_allocated of one run) needs a GPU: plan rows only")
+    print_last_logits_gain(ok, cuda)
     return rows
+
+
+def last_logits_gain(rows: list[dict], cuda: bool) -> list[dict]:
+    """Per processor, the serving prefill (logits_index in, the last token's logits out) against the
+    prefill of every position's logits, same model and length: ratios of the plan's activations and,
+    on a GPU, of the run's own peak allocation (ratio < 1: the serving prefill needs less)."""
+    out = []
+    for proc in dict.fromkeys(r["processor"] for r in rows):
+        by = {r["kind"]: r for r in rows if r["processor"] == proc}
+        full, last = by.get("prefill"), by.get("serving_prefill")
+        if full is None or last is None:
+            continue
+        g = {"processor": proc, "plan_activations": ratio(last["activation_bytes"], full["activation_bytes"]),
+             "plan_peak": ratio(last["predicted_peak_bytes"], full["predicted_peak_bytes"])}
+        if cuda:
+            g["run_own"] = ratio(last.get("run_own_bytes"), full.get("run_own_bytes"))
+            g["peak_reserved"] = ratio(last.get("peak_reserved_bytes"), full.get("peak_reserved_bytes"))
+        out.append(g)
+    return out
+
+
+def print_last_logits_gain(rows: list[dict], cuda: bool) -> None:
+    for g in last_logits_gain(rows, cuda):
+        extra = (f", run's own {fmt_ratio(g['run_own'])}, peak reserved {fmt_ratio(g['peak_reserved'])}"
+                 if cuda else "")
+        print(f"serving prefill / prefill of every position's logits ({g['processor']}): plan activations "
+              f"{fmt_ratio(g['plan_activations'])}, plan peak {fmt_ratio(g['plan_peak'])}{extra}")
 
 
 # ---------------------------------------------------------------------------------- section: pool

@@ -28,6 +28,13 @@ Variants on a GPU:
   decode step), region compiled + replay past + 1 positions, written in place at cache_position), as
                                          the engine runs it (state in place, outputs aliased): the
                                          fastpipe side of the unsplit static-cache rows
+  fastpipe serving prefill (last token's prefill only: the serving set's prefill bucket (logits_index in,
+  logits), region compiled + replay      the last token's logits [B, 1, V] out, and the caches), as the
+                                         engine runs it (outputs aliased): against the best full-logits
+                                         fastpipe row (what skipping [B, S, V] saves) and the unsplit
+                                         rows with logits_to_keep=1 (the same work)
+  unsplit compiled, last token's logits  prefill only: the unsplit model (DynamicCache) with
+  (+ reduce-overhead on a GPU)           logits_to_keep=1, as a server's prefill runs it
   unsplit eager / unsplit compiled /     the HF model on the same device: eager, torch.compile
   unsplit compiled, reduce-overhead      (dynamic=False), and torch.compile(mode="reduce-overhead"),
                                          on a DynamicCache of the past built in each call
@@ -35,7 +42,8 @@ Variants on a GPU:
                                          filled once (how a server runs the unsplit model: the step
                                          writes in place, addresses fixed for CUDA graphs)
 On a CPU: the region processor compiled and eager, the cpu processor eager, the static-cache decode
-step compiled, the unsplit model eager and compiled on either cache.
+step compiled, the serving prefill compiled, the unsplit model eager and compiled on either cache
+(and, for the prefill, compiled with logits_to_keep=1).
 
 What is timed: a fastpipe row times `session.run(inputs)` on the pipeline's own inputs, already
 sliced per slot and on the device (as a server holds them); a replayed run includes what a caller
@@ -60,7 +68,8 @@ r times every variant once); a sample is the mean of back-to-back calls lasting 
 the table gives the median and p10/p90 of --repeat samples.
 
 Targets (issue 16): at batch 1, graph replay >= 3x faster than eager streams; the best fastpipe path
-within 1.1x of the best unsplit compiled model (default or reduce-overhead, either cache). Each case's verdicts
+within 1.1x of the best unsplit compiled model (default or reduce-overhead, either cache); the
+last-token rows are held against each other only (their own verdict lines). Each case's verdicts
 are printed under its table and written to --json, rewritten after every case and after each row's
 set-up (compile, capture, check) within one (that case marked "partial": "set-up"), so a run stopped at
 a time limit keeps what it did. Interrupted (SIGINT, as scripts/gpu_check.sh stops a stage at its
@@ -119,6 +128,10 @@ CPU_VARIANTS = [
 REPLAY, STREAMS = "fastpipe cuda, graph replay", "fastpipe cuda, eager streams"
 STATIC_STEP_GPU = "fastpipe static cache (the engine's decode step), region compiled + replay"
 STATIC_STEP_CPU = "fastpipe static cache (the engine's decode step), region compiled"
+SERVING_PREFILL_GPU = "fastpipe serving prefill (last token's logits), region compiled + replay"
+SERVING_PREFILL_CPU = "fastpipe serving prefill (last token's logits), region compiled"
+SERVING_PREFILL = (SERVING_PREFILL_GPU, SERVING_PREFILL_CPU)
+UNSPLIT_LAST = ("unsplit compiled, last token's logits", "unsplit compiled, reduce-overhead, last token's logits")
 COMPILED_STREAMS = "fastpipe cuda, compiled streams"
 UNSPLIT_COMPILED = ("unsplit compiled", "unsplit compiled, reduce-overhead",
                     "unsplit static cache compiled", "unsplit static cache compiled, reduce-overhead")
@@ -217,8 +230,6 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
     import torch
 
     from fastpipe.builder.hf.build import build_hf
-    from fastpipe.format import read_pipeline
-    from fastpipe.model_io import flatten_args, to_pipeline_inputs
 
     dev = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -242,14 +253,16 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
         else:                              # the same (already rounded) weights and past, in float32
             ref = hf_call(model32, ids, [[t.float() for t in kv] for kv in past]).float().cpu()
             own = (hf_call(model, ids, past).float().cpu() - ref).abs().max().item()
-    tol = tolerance(ref, own)
+    tol = tolerance(ref, own)       # also bounds the last position's error: a part of the whole
 
-    def check(logits) -> str:
+    def check(logits, ref=ref) -> str:
         err = (logits.float().cpu() - ref).abs().max().item()
         return f"{'ok' if err <= tol else 'MISMATCH'} (max err {err:.1e}, tol {tol:.1e})"
 
-    pipeline = read_pipeline(path)              # its slots, and its inputs: sliced per slot, on the device
-    inputs = {n: t.to(dev) for n, t in to_pipeline_inputs(pipeline, flatten_args(host)).items()}
+    def check_last(logits) -> str:                       # [B, 1, V] against the last position's
+        return check(logits, ref[:, -1:])
+
+    _, pipeline, inputs = on_device(path, host, dev)     # its slots, and its inputs: sliced per slot, on the device
     rows = [] if rows is None else rows
     for label, kw in (CUDA_VARIANTS if dev.type == "cuda" else CPU_VARIANTS):
         fastpipe_row(label, lambda: (path, pipeline, inputs), kw, dev, store, check, timed, rows)
@@ -260,7 +273,16 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
                      dict(processor="region", compile=True, state_in_place=True, alias_outputs=True),
                      dev, store, check, timed, rows, note="the serving set's decode step, state in place, outputs aliased")
         progress()
+    if step == "prefill":
+        fastpipe_row(SERVING_PREFILL_GPU if dev.type == "cuda" else SERVING_PREFILL_CPU,
+                     lambda: serving_prefill(folder, out.parent / f"{out.name}_last", host, dev),
+                     dict(processor="region", compile=True, alias_outputs=True),
+                     dev, store, check_last, timed, rows,
+                     note="the serving set's prefill: logits_index in, the last token's logits out, outputs aliased")
+        progress()
     unsplit_rows(args, model, ids, past, check, timed, dev, rows, progress)
+    if step == "prefill":
+        unsplit_last_rows(model, ids, check_last, timed, dev, rows, progress)
     return rows
 
 
@@ -308,18 +330,57 @@ def static_step(folder: Path, out: Path, host: dict, dev):
     import torch
 
     from fastpipe.builder.hf.build import build_hf
-    from fastpipe.format import read_pipeline
-    from fastpipe.model_io import flatten_args, to_pipeline_inputs
 
     past = host["past_key_values"]
     batch, past_len = host["input_ids"].shape[0], past[0][0].shape[2]
     path = build_hf(folder, tp=2, batch=batch, seq_len=1, max_len=past_len + 1).save(out)
     caches = [[torch.cat([t, torch.zeros_like(t[:, :, :1])], dim=2) for t in kv]   # [B, Hkv, past + 1, D]
               for kv in past]
-    model = {"input_ids": host["input_ids"], "cache_position": torch.full((batch,), past_len),
-             "past_key_values": caches}
+    return on_device(path, {"input_ids": host["input_ids"], "cache_position": torch.full((batch,), past_len),
+                            "past_key_values": caches}, dev)
+
+
+def on_device(path: Path, model_inputs: dict, dev):
+    """(path, its Pipeline, its inputs made from the model-level `model_inputs`: sliced per slot, on dev)."""
+    from fastpipe.format import read_pipeline
+    from fastpipe.model_io import flatten_args, to_pipeline_inputs
+
     pipeline = read_pipeline(path)
-    return path, pipeline, {n: t.to(dev) for n, t in to_pipeline_inputs(pipeline, flatten_args(model)).items()}
+    return path, pipeline, {n: t.to(dev) for n, t in to_pipeline_inputs(pipeline, flatten_args(model_inputs)).items()}
+
+
+def serving_prefill(folder: Path, out: Path, host: dict, dev):
+    """The serving set's prefill bucket (fastpipe.generation.build: past_len=0, last_logits: logits_index
+    [B] in, the logits there [B, 1, V] and the caches out) on the case's prompts, which fill the bucket:
+    each row's index is its last token. Returns (path, Pipeline, inputs on dev)."""
+    import torch
+
+    from fastpipe.builder.hf.build import build_hf
+
+    batch, seq = host["input_ids"].shape
+    path = build_hf(folder, tp=2, batch=batch, seq_len=seq, past_len=0, last_logits=True).save(out)
+    return on_device(path, {"input_ids": host["input_ids"], "logits_index": torch.full((batch,), seq - 1)}, dev)
+
+
+def unsplit_last_rows(model, ids, check, timed, dev, rows: list[Row], progress=lambda: None) -> None:
+    """The unsplit prefill as a server runs it, the last position's logits only (logits_to_keep=1):
+    compiled and (on a GPU) reduce-overhead, appended to rows: the serving prefill's baseline."""
+    import torch
+
+    modes = [{}] + ([{"mode": "reduce-overhead"}] if dev.type == "cuda" else [])
+    for label, kw in zip(UNSPLIT_LAST, modes):
+        row = Row(label)
+        rows.append(row)
+        try:
+            target = torch.compile(model, dynamic=False, **kw)
+            fn = timed(_inference(lambda target=target: hf_call(target, ids, [], last_only=True)))
+            _compile_unsplit(row, fn, kw)
+            row.check = check(fn())
+            row.fn = fn
+        except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table, not the end of the run
+            row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            traceback.print_exc()
+        progress()
 
 
 def unsplit_rows(args, model, ids, past, check, timed, dev, rows: list[Row], progress=lambda: None) -> None:
@@ -405,14 +466,26 @@ def verdicts(rows: list[Row], batch: int) -> dict:
         if slow and fast:
             out["aliased_outputs_gain"] = slow / fast
     ok = [r for r in rows if r.samples and not r.check.startswith("MISMATCH")]
-    ours = [r for r in ok if r.variant.startswith("fastpipe")]
+    ours = [r for r in ok if r.variant.startswith("fastpipe") and r.variant not in SERVING_PREFILL]
     theirs = [r for r in ok if r.variant in UNSPLIT_COMPILED]
+    best = base = None
     if ours and theirs:
         best = min(ours, key=lambda r: statistics.median(r.samples))
         base = min(theirs, key=lambda r: statistics.median(r.samples))
         ratio = statistics.median(best.samples) / statistics.median(base.samples)
         out.update(best_fastpipe=best.variant, best_unsplit_compiled=base.variant, best_vs_unsplit_compiled=ratio,
                    unsplit_target_met=ratio <= 1.1)
+    serving = next((r for r in ok if r.variant in SERVING_PREFILL), None)
+    last = [r for r in ok if r.variant in UNSPLIT_LAST]
+    if serving is not None:
+        med = statistics.median(serving.samples)
+        if ours:
+            full = min(ours, key=lambda r: statistics.median(r.samples))
+            out.update(serving_prefill_gain=statistics.median(full.samples) / med, serving_prefill_vs=full.variant)
+        if last:
+            base_last = min(last, key=lambda r: statistics.median(r.samples))
+            out.update(serving_prefill_vs_unsplit_last=med / statistics.median(base_last.samples),
+                       best_unsplit_last=base_last.variant)
     return out
 
 
@@ -439,6 +512,12 @@ def verdict_lines(v: dict) -> list[str]:
         out.append(f"best fastpipe ({v['best_fastpipe']}) / best unsplit compiled ({v['best_unsplit_compiled']}): "
                    f"{v['best_vs_unsplit_compiled']:.2f}x (target <= 1.1x: "
                    f"{'met' if v['unsplit_target_met'] else 'NOT met'})")
+    if "serving_prefill_gain" in v:
+        out.append(f"serving prefill (the last token's logits) vs the best fastpipe prefill of every position's "
+                   f"({v['serving_prefill_vs']}): {v['serving_prefill_gain']:.2f}x faster (its time / the serving prefill's)")
+    if "serving_prefill_vs_unsplit_last" in v:
+        out.append(f"serving prefill / best unsplit compiled with logits_to_keep=1 ({v['best_unsplit_last']}): "
+                   f"{v['serving_prefill_vs_unsplit_last']:.2f}x")
     return out
 
 

@@ -1,6 +1,7 @@
 """The unsplit Hugging Face model's step, two ways, for table 1 (bench/report_runtime.py).
 
     logits = hf_call(model, ids, past)        # a DynamicCache of the past, built in the call
+    logits = hf_call(model, ids, past, last_only=True)   # the last position's logits only [batch, 1, vocab]
     step = StaticStep(model, ids, past)       # a StaticCache of exactly past + seq positions, filled once
     logits = step(model)                      # (or step(torch.compile(model, ...)))
 
@@ -35,13 +36,16 @@ def _cache_keyword(cls) -> str:         # once per model class: hf_call is timed
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
-def hf_call(model, ids, past):
+def hf_call(model, ids, past, last_only: bool = False):
+    """last_only: the logits of the last position only, [batch, 1, vocab] (logits_to_keep=1: the output
+    projection runs on that position alone, as a server's prefill does)."""
     import transformers
 
     cache = transformers.DynamicCache()
     for i, (k, v) in enumerate(past or []):
         cache.update(k, v, i)
-    return model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache}).logits
+    keep = {"logits_to_keep": 1} if last_only else {}
+    return model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache}, **keep).logits
 
 
 def static_cache(model, batch: int, max_cache_len: int, device: torch.device, dtype: torch.dtype):

@@ -58,13 +58,20 @@ def test_memory_plan_rows_on_cpu(tmp_path):
     pytest.importorskip("transformers")
     doc = _run(tmp_path, "memory")
     rows = doc["sections"]["memory"]["rows"]
-    assert {(r["shape"].split(" ")[0], r["processor"]) for r in rows} == {
-        (s, p) for s in ("decode", "prefill") for p in ("cpu", "region")}
+    assert {(r["kind"], r["processor"]) for r in rows} == {
+        (s, p) for s in ("decode", "prefill", "serving_prefill") for p in ("cpu", "region")}
     for r in rows:
         assert "error" not in r, r
         assert r["predicted_peak_bytes"] > 0 and r["constant_bytes"] > 0 and r["activation_bytes"] > 0
         assert r["predicted_peak_bytes"] == r["constant_bytes"] + r["activation_bytes"]
         assert r["measured"] is None and "needs a GPU" in r["note"]
+    # the serving prefill (one position's logits) plans fewer activations than every position's logits
+    from bench.report_memory import last_logits_gain
+
+    gains = last_logits_gain(rows, cuda=False)
+    assert [g["processor"] for g in gains] == ["cpu", "region"]
+    for g in gains:
+        assert 0 < g["plan_activations"] < 1 and 0 < g["plan_peak"] < 1, g
 
 
 def test_memory_rows_are_written_as_they_come_and_tmp_is_made(tmp_path, monkeypatch):
@@ -81,7 +88,7 @@ def test_memory_rows_are_written_as_they_come_and_tmp_is_made(tmp_path, monkeypa
     assert rm.main(["--quick", "--device", "cpu", "--sections", "memory", "--tmp", str(tmp), "--json", str(out)]) == 0
     assert tmp.is_dir() and not list(tmp.iterdir())            # made, and the run's own folder removed after
     partial = [d["sections"]["memory"] for d in written if d["sections"].get("memory", {}).get("partial")]
-    assert [len(s["rows"]) for s in partial] == [1, 2, 3, 4]     # 2 shapes x (cpu, region), one write each
+    assert [len(s["rows"]) for s in partial] == [1, 2, 3, 4, 5, 6]     # 3 shapes x (cpu, region), one write each
     final = json.loads(out.read_text())
     assert "partial" not in final["sections"]["memory"] and final["rows"] == final["sections"]["memory"]["rows"]
     assert partial[-1]["rows"] == final["rows"]

@@ -42,6 +42,32 @@ def test_report_runtime_quick_cpu(tmp_path):
     assert "best fastpipe" in r.stdout and "| fastpipe region compiled |" in r.stdout
 
 
+def test_report_runtime_quick_cpu_prefill_has_the_serving_prefill_and_its_baseline(tmp_path):
+    """The prefill case adds the serving set's prefill (the last token's logits) and the unsplit model with
+    logits_to_keep=1; both are checked against the last position of the float32 model's logits, and held
+    against each other and against the full-logits rows in their own verdicts, not in the 1.1x target's."""
+    pytest.importorskip("transformers")
+    from bench.report_runtime import SERVING_PREFILL_CPU, UNSPLIT_LAST
+
+    out = tmp_path / "runtime.json"
+    r = subprocess.run([sys.executable, "bench/report_runtime.py", "--device", "cpu", "--quick", "--cases", "prefill",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    case = json.loads(out.read_text())["cases"][0]
+    rows = {row["variant"]: row for row in case["rows"]}
+    assert {SERVING_PREFILL_CPU, UNSPLIT_LAST[0], "fastpipe region compiled"} <= set(rows)
+    assert UNSPLIT_LAST[1] not in rows                           # reduce-overhead: on a GPU only
+    for name in (SERVING_PREFILL_CPU, UNSPLIT_LAST[0]):
+        assert rows[name]["error"] == "" and rows[name]["check"].startswith("ok"), (name, rows[name])
+        assert rows[name]["median_ms"] > 0
+    v = case["verdicts"]
+    assert v["best_fastpipe"] != SERVING_PREFILL_CPU and v["best_unsplit_compiled"] not in UNSPLIT_LAST
+    assert v["serving_prefill_vs_unsplit_last"] == pytest.approx(
+        rows[SERVING_PREFILL_CPU]["median_ms"] / rows[UNSPLIT_LAST[0]]["median_ms"])
+    assert v["serving_prefill_vs"] == v["best_fastpipe"]
+    assert "serving prefill / best unsplit compiled with logits_to_keep=1" in r.stdout
+
+
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
     import torch
@@ -132,6 +158,24 @@ def test_verdicts_targets():
     v = verdicts(rows, batch=1)
     assert v["aliased_outputs_gain"] == pytest.approx(1.2) and v["best_fastpipe"].endswith("outputs aliased")
     assert "the replay handing out its output buffers vs cloning them: 1.20x faster" in verdict_lines(v)
+
+
+def test_serving_prefill_verdicts():
+    from bench.report_runtime import SERVING_PREFILL_GPU, UNSPLIT_LAST, verdict_lines, verdicts
+
+    rows = [_row("fastpipe region compiled + replay", 2.0), _row("unsplit compiled", 2.2),
+            _row(SERVING_PREFILL_GPU, 1.0), _row(UNSPLIT_LAST[0], 1.6), _row(UNSPLIT_LAST[1], 1.25)]
+    v = verdicts(rows, batch=1)
+    assert v["best_fastpipe"] == "fastpipe region compiled + replay"         # the serving prefill is not in it
+    assert v["best_vs_unsplit_compiled"] == pytest.approx(2.0 / 2.2)        # nor the last-token unsplit rows
+    assert v["serving_prefill_gain"] == pytest.approx(2.0) and v["serving_prefill_vs"] == rows[0].variant
+    assert v["serving_prefill_vs_unsplit_last"] == pytest.approx(0.8) and v["best_unsplit_last"] == UNSPLIT_LAST[1]
+    lines = verdict_lines(v)
+    assert any(line.startswith("serving prefill (the last token's logits) vs the best fastpipe") and "2.00x" in line
+               for line in lines)
+    assert any("logits_to_keep=1" in line and "0.80x" in line for line in lines)
+    rows[2] = _row(SERVING_PREFILL_GPU, 1.0, check="MISMATCH (max err 1)")     # a wrong serving prefill: no verdict
+    assert "serving_prefill_gain" not in verdicts(rows, batch=1)
 
 
 def test_tolerance_is_float32_noise_plus_twice_the_unsplit_models_own_error():
