@@ -78,7 +78,11 @@ def test_memory_table_on_a_gpu(tmp_path):
     assert all(len(r["pageable_times_s"]) == len(r["fastpipe_times_s"]) for r in load)
     assert all(r["one_thread_vs_pinned"] == pytest.approx(r["one_thread_s"] / r["fastpipe_s"]) for r in load)
     memory = doc["sections"]["memory"]["rows"]
-    assert len(memory) == 6 and all(r["measured"] is True and r["peak_allocated_bytes"] > 0 for r in memory)
+    assert len(memory) == 9 and all(r["measured"] is True and r["peak_allocated_bytes"] > 0 for r in memory)
+    from bench.report_memory import last_logits_gain   # 3 shapes x 3 processors; the serving prefill's ratios
+
+    gains = last_logits_gain(memory, cuda=True)
+    assert len(gains) == 3 and all(0 < g["plan_activations"] < 1 and "run_own" in g for g in gains), gains
     assert all(r["load_peak_bytes"] >= r["constants_measured_bytes"] > 0 for r in memory), memory
     assert all(r["replayed"] for r in memory if "cuda_graph=True" in r["processor"]), memory
     pool = doc["sections"]["pool"]["rows"]

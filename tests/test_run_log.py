@@ -398,4 +398,4 @@ def test_gpu_check_runtime_and_memory_stages_then_ingest(tmp_path):
     assert f"(dry run) runtime.json -> bench/measured/runtime_cpu_{date}.json (cpu {date})" in lines
     assert any(ln.startswith("(dry run) runtime.json: decode step, batch 1, 1 token over 16 cached: best fastpipe ")
                and "(target <= 1.1x: " in ln for ln in lines), lines
-    assert "(dry run) memory.json: section memory: 4 rows" in lines
+    assert "(dry run) memory.json: section memory: 6 rows" in lines      # 3 shapes x (cpu, region)
