@@ -71,9 +71,9 @@ def hf_generate(model, prompt: list[int], n: int, *, compiled: bool, max_cache_l
     forward under torch.compile (transformers compiles itself on GPUs; on a CPU only when asked, as
     here) in compile_mode (default: "reduce-overhead", transformers' own default, CUDA graphs, on a
     GPU; "default" on a CPU). Returns the new tokens (host ints: the call has synchronized)."""
-    import warnings
-
     from transformers import CompileConfig
+
+    from fastpipe.builder.hf.compat import cache_keyword
 
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], device=device)
@@ -81,7 +81,7 @@ def hf_generate(model, prompt: list[int], n: int, *, compiled: bool, max_cache_l
     if max_cache_len is None:
         kwargs["cache_implementation"] = "static"
     else:
-        kwargs["past_key_values"] = _static_cache(model, max_cache_len)
+        kwargs[cache_keyword(model)] = _static_cache(model, max_cache_len)   # "cache" in transformers >= 5.2x
     if compiled:
         mode = compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
         cc = CompileConfig(fullgraph=True, dynamic=False, mode=mode)
@@ -93,9 +93,7 @@ def hf_generate(model, prompt: list[int], n: int, *, compiled: bool, max_cache_l
     saved = gc.eos_token_id
     gc.eos_token_id = None
     try:
-        with torch.no_grad(), warnings.catch_warnings():
-            # transformers >= 5.2x renames generate's past_key_values to cache; older ones know only past_key_values
-            warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+        with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                  do_sample=False, pad_token_id=0, eos_token_id=None, **kwargs)
     finally:

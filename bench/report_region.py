@@ -216,8 +216,8 @@ def example_case(name: str) -> list[Row]:
 
 def llama_case(step: str, folder: Path, model, out: Path) -> list[Row]:
     import torch
-    import transformers
 
+    from bench.unsplit_calls import hf_call
     from fastpipe.builder.hf.build import build_hf
     from tests.tensor_compare import assert_close
 
@@ -234,10 +234,7 @@ def llama_case(step: str, folder: Path, model, out: Path) -> list[Row]:
     kwargs = {"input_ids": ids} if past is None else {"input_ids": ids, "past_key_values": past}
 
     def hf(m):
-        cache = transformers.DynamicCache()
-        for l, (k, v) in enumerate(past or []):
-            cache.update(k, v, l)
-        return m(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        return hf_call(m, ids, past)
 
     ref = _inference(lambda: hf(model))
     tol = 1e-4 * ref.abs().max().item()

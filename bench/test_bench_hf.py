@@ -13,6 +13,7 @@ import fastpipe
 
 transformers = pytest.importorskip("transformers")
 
+from bench.unsplit_calls import hf_call  # noqa: E402
 from fastpipe.builder.hf.build import build_hf  # noqa: E402
 from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint  # noqa: E402
 from tests.tensor_compare import assert_close  # noqa: E402
@@ -53,11 +54,8 @@ def _inputs(model, shape):
 
 
 def _hf(model, ids, past):
-    cache = transformers.DynamicCache()
-    for l, (k, v) in enumerate(past or []):
-        cache.update(k, v, l)
     with torch.no_grad():
-        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        return hf_call(model, ids, past)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

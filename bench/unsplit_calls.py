@@ -19,21 +19,11 @@ older versions take the positions from cache_position alone and need nothing).
 """
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
 
-
-def cache_keyword(model) -> str:
-    """The forward's name for the cache: "cache" (transformers >= 5.2x, which deprecates the old name) or
-    "past_key_values". `model` may be compiled (an OptimizedModule: its _orig_mod's forward)."""
-    return _cache_keyword(type(getattr(model, "_orig_mod", model)))
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_keyword(cls) -> str:         # once per model class: hf_call is timed, inspect.signature is not cheap
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+from fastpipe.builder.hf.compat import cache_keyword
 
 
 def hf_call(model, ids, past, last_only: bool = False):

@@ -8,6 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from fastpipe.builder.hf.compat import cache_keyword  # noqa: E402
 from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint  # noqa: E402
 from tests.tensor_compare import assert_close  # noqa: E402
 
@@ -38,7 +39,7 @@ def hf_reference(model, family: str, inputs: dict, past: list | None):
         cache = transformers.DynamicCache()
         for layer, (k, v) in enumerate(past or []):
             cache.update(k, v, layer)
-        out = model(input_ids=inputs["input_ids"], past_key_values=cache, use_cache=True)
+        out = model(input_ids=inputs["input_ids"], use_cache=True, **{cache_keyword(model): cache})
         res = {"logits": out.logits}
         if past is not None:
             for layer, lyr in enumerate(out.past_key_values.layers):

@@ -31,6 +31,7 @@ from fastpipe.builder.hf import plans  # noqa: E402
 from fastpipe.builder.hf.checkpoint import (  # noqa: E402
     checkpoint_index, load_tensors, stored_tensors, tied_parameters,
 )
+from fastpipe.builder.hf.compat import cache_keyword  # noqa: E402
 from fastpipe.builder.hf.load import detect_family, load_skeleton, skeleton_buffers  # noqa: E402
 from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint  # noqa: E402
 from fastpipe.builder.hf.trace import (  # noqa: E402
@@ -93,7 +94,7 @@ def _hf_reference(ref, family, sig, xs):
         n = ref.config.num_hidden_layers
         past = [(xs[1 + 2 * i], xs[2 + 2 * i]) for i in range(n)] if sig.past_len else None
         cache = DynamicCache(ddp_cache_data=past, config=ref.config)
-        o = ref(input_ids=xs[0], past_key_values=cache, use_cache=True)
+        o = ref(input_ids=xs[0], use_cache=True, **{cache_keyword(ref): cache})
         out = [o.logits]
         for layer in o.past_key_values.layers:
             out += [layer.keys, layer.values]
@@ -525,12 +526,12 @@ def test_tp_plan_reproduces_the_model(ckpt, key, tp):
         return DynamicCache(ddp_cache_data=list(zip(tensors[0::2], tensors[1::2])), config=full.config)
 
     with torch.no_grad():
-        want = full(input_ids=ids, past_key_values=cache_of(past), use_cache=True)
+        want = full(input_ids=ids, use_cache=True, **{cache_keyword(full): cache_of(past)})
 
     def rank_inputs(rank):
         kv = plans.kv_heads_for_rank(rank, tp, nq, nkv)
         local = [t[:, kv.start:kv.stop] for t in past]
-        return dict(input_ids=ids, past_key_values=cache_of(local), use_cache=True)
+        return dict(input_ids=ids, use_cache=True, **{cache_keyword(full): cache_of(local)})
 
     for rank, out in enumerate(_run_ranks(ranks, group, rank_inputs)):
         torch.testing.assert_close(out.logits, want.logits, **TOL)

@@ -61,6 +61,7 @@ from typing import Callable
 
 import torch
 
+from fastpipe.builder.hf.compat import cache_keyword
 from fastpipe.errors import BuildError
 
 # Union of call_function targets seen when tracing the three families with
@@ -375,7 +376,7 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
             positions = cache_position.unsqueeze(1) + steps                   # [B, S]
             cache = static_cache(layers, past, positions)
             out = torch.func.functional_call(model, dict(ps), (), {
-                "input_ids": input_ids, "position_ids": positions, "past_key_values": cache, "use_cache": True,
+                "input_ids": input_ids, "position_ids": positions, cache_keyword(model): cache, "use_cache": True,
                 "attention_mask": static_mask(positions, sig.max_len, dtype)})
             res = [out.logits]
             for layer in cache.layers:
@@ -395,7 +396,7 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
             check(ps, (input_ids, *past))
             cache = flat_cache(layers, past)
             out = torch.func.functional_call(model, dict(ps), (), {
-                "input_ids": input_ids, "past_key_values": cache, "use_cache": True})
+                "input_ids": input_ids, cache_keyword(model): cache, "use_cache": True})
             return (out.logits, *_cache_outputs(cache, past_len))
 
     return FlatForward(fn, sig, params, non_persistent)
@@ -421,7 +422,8 @@ class _RowLogits(torch.nn.Module):
         self.lm = lm
 
     def forward(self, input_ids, logits_index, cache):
-        out = self.lm.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        base = self.lm.base_model
+        out = base(input_ids=input_ids, use_cache=True, **{cache_keyword(base): cache})
         hidden = out.last_hidden_state                                      # [B, S, H]
         b, s = hidden.shape[0], hidden.shape[1]
         at = logits_index.clamp(0, s - 1)                                   # [B], never out of range
