@@ -365,21 +365,9 @@ def serving_prefill(folder: Path, out: Path, host: dict, dev):
 def unsplit_last_rows(model, ids, check, timed, dev, rows: list[Row], progress=lambda: None) -> None:
     """The unsplit prefill as a server runs it, the last position's logits only (logits_to_keep=1):
     compiled and (on a GPU) reduce-overhead, appended to rows: the serving prefill's baseline."""
-    import torch
-
     modes = [{}] + ([{"mode": "reduce-overhead"}] if dev.type == "cuda" else [])
     for label, kw in zip(UNSPLIT_LAST, modes):
-        row = Row(label)
-        rows.append(row)
-        try:
-            target = torch.compile(model, dynamic=False, **kw)
-            fn = timed(_inference(lambda target=target: hf_call(target, ids, [], last_only=True)))
-            _compile_unsplit(row, fn, kw)
-            row.check = check(fn())
-            row.fn = fn
-        except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table, not the end of the run
-            row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-            traceback.print_exc()
+        unsplit_row(label, lambda: (lambda m: hf_call(m, ids, [], last_only=True)), model, kw, check, timed, rows)
         progress()
 
 
@@ -387,8 +375,6 @@ def unsplit_rows(args, model, ids, past, check, timed, dev, rows: list[Row], pro
     """The unsplit model's rows, appended to rows (progress() after each): eager, compiled and (on a GPU)
     compiled with mode="reduce-overhead", each on a DynamicCache built per call ("unsplit ...") and on a
     StaticCache filled once ("unsplit static cache ...", bench/unsplit_calls.py)."""
-    import torch
-
     from bench.unsplit_calls import StaticStep
 
     modes = [("compiled", {})] + ([("compiled, reduce-overhead", {"mode": "reduce-overhead"})]
@@ -396,20 +382,29 @@ def unsplit_rows(args, model, ids, past, check, timed, dev, rows: list[Row], pro
     for prefix, make_step in (("unsplit", lambda: (lambda m: hf_call(m, ids, past))),
                               ("unsplit static cache", lambda: StaticStep(model, ids, past))):
         for mode, kw in [("eager", None)] + modes:
-            row = Row(f"{prefix} {mode}")
-            rows.append(row)
-            try:
-                step = make_step()
-                target = model if kw is None else torch.compile(model, dynamic=False, **kw)
-                fn = timed(_inference(lambda step=step, target=target: step(target)))
-                if kw is not None:
-                    _compile_unsplit(row, fn, kw)
-                row.check = check(fn())
-                row.fn = fn
-            except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table, not the end of the run
-                row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-                traceback.print_exc()
+            unsplit_row(f"{prefix} {mode}", make_step, model, kw, check, timed, rows)
             progress()
+
+
+def unsplit_row(label: str, make_step, model, kw: dict | None, check, timed, rows: list[Row]) -> None:
+    """One unsplit row, appended to rows: make_step() -> step(model) -> logits, run on the model as it is (kw
+    None) or under torch.compile(dynamic=False, **kw), compiled before timing, its logits checked. A failure
+    is the row's error, not the end of the run."""
+    import torch
+
+    row = Row(label)
+    rows.append(row)
+    try:
+        step = make_step()
+        target = model if kw is None else torch.compile(model, dynamic=False, **kw)
+        fn = timed(_inference(lambda: step(target)))
+        if kw is not None:
+            _compile_unsplit(row, fn, kw)
+        row.check = check(fn())
+        row.fn = fn
+    except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table, not the end of the run
+        row.error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        traceback.print_exc()
 
 
 def _inference(fn):
