@@ -233,10 +233,7 @@ def llama_case(step: str, folder: Path, model, out: Path) -> list[Row]:
                  for _ in range(2)] for _ in range(cfg.num_hidden_layers)]
     kwargs = {"input_ids": ids} if past is None else {"input_ids": ids, "past_key_values": past}
 
-    def hf(m):
-        return hf_call(m, ids, past)
-
-    ref = _inference(lambda: hf(model))
+    ref = _inference(lambda: hf_call(model, ids, past))
     tol = 1e-4 * ref.abs().max().item()
 
     def check(res) -> str:
@@ -252,7 +249,7 @@ def llama_case(step: str, folder: Path, model, out: Path) -> list[Row]:
     for label, kw in VARIANTS:
         if kw is not None:
             rows.append(fastpipe_row(label, kw, path, lambda s: s.run_model(**kwargs), check, shared))
-    rows += unsplit_rows(lambda: hf(model), lambda: hf(cm))
+    rows += unsplit_rows(lambda: hf_call(model, ids, past), lambda: hf_call(cm, ids, past))
     return rows
 
 

@@ -33,7 +33,7 @@ from typing import Iterator, Sequence
 import torch
 
 from fastpipe.errors import FastpipeError, InputError, RunError
-from fastpipe.generation.buckets import ServingBuckets, last_logits_only
+from fastpipe.generation.buckets import LOGITS_INDEX, ServingBuckets, last_logits_only
 from fastpipe.generation.kv_state import KVState
 from fastpipe.generation.sampling import SamplingParams, sample
 from fastpipe.model_io import assemble_outputs
@@ -287,7 +287,7 @@ class Engine:
             ins = {"input_ids": ids}
             rows_only = last_logits_only(sess)      # logits [b, 1, V] at logits_index, else [b, s, V]
             if rows_only:                           # each row's last real token (pad rows: 0)
-                ins["logits_index"] = torch.tensor([len(r.prompt) - 1 for r in group] + [0] * (b - len(group)))
+                ins[LOGITS_INDEX] = torch.tensor([len(r.prompt) - 1 for r in group] + [0] * (b - len(group)))
             out = sess.run_model(**ins, output_device=self.device)    # logits, caches [b, Hkv, s, D]
             last = torch.stack([out["logits"][i, 0 if rows_only else len(r.prompt) - 1]
                                 for i, r in enumerate(group)])                          # [n, V]
