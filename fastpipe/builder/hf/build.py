@@ -7,6 +7,10 @@
                                           # returns logits [B, 1, V] at each row's position (not [B, S, V])
     built = build_hf(..., seq_len=1, max_len=M)   # decode step on a static cache of M positions:
                                           # takes cache_position [B] and the caches, returns them updated
+    built = build_hf(..., seq_len=S, max_len=M, cache_rows=R, last_logits=True)   # a serving prefill
+                                          # into rows of a static cache [R, Hkv, M, D]: takes logits_index [B],
+                                          # cache_row [B] and the caches, returns the logits and the caches
+                                          # updated (fastpipe.builder.hf.trace's docstring)
     built.save("out/")                    # out/pipeline.json; the checkpoint files hard-linked in place
 
 The model is instantiated on the meta device (no weight is read: only the
@@ -162,7 +166,7 @@ def _pipe_split(stage: int):
 def build_hf(model_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 1, seq_len: int = 128,
              past_len: int | None = None, split_points: list[str] | None = None,
              sequence_parallel: bool = False, dtype: torch.dtype | None = None,
-             max_len: int | None = None, last_logits: bool = False) -> Built:
+             max_len: int | None = None, last_logits: bool = False, cache_rows: int | None = None) -> Built:
     model_dir = Path(model_dir)
     model, config, family = load_skeleton(model_dir, dtype=dtype)
     index = checkpoint_index(model_dir, model)
@@ -183,9 +187,10 @@ def build_hf(model_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 1,
         raise BuildError("sequence_parallel: expected off with a static cache (max_len), found on")
     full_sig = flat_signature(family, config, batch, seq_len, past_len, dtype=next(model.parameters()).dtype,
                               pooler=getattr(model, "pooler", None) is not None, max_len=max_len,
-                              last_logits=last_logits)
+                              last_logits=last_logits, cache_rows=cache_rows)
     q_local, kv_local = plans.local_heads(plan.n_q_heads, plan.n_kv_heads, tp)
     name = (f"{model_dir.name}-tp{tp}-pp{pp}" + (f"-static{max_len}" if max_len is not None else "")
+            + (f"-rows{cache_rows}" if cache_rows is not None else "")
             + ("-last-logits" if last_logits else ""))
     files = sorted({st.file for st in index.values()})
     emitter = Emitter(name, tp, pp, lambda p: StoredParam(index[p].file, index[p].name_in_file))
@@ -193,7 +198,8 @@ def build_hf(model_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 1,
         local, sources = rank_local(model, family, plan, rank, tp, sequence_parallel=sequence_parallel,
                                     split_points=stages)
         ff = traced_forward(local, family, config, batch=batch, seq_len=seq_len, past_len=past_len,
-                            num_kv_heads=kv_local, max_len=max_len, last_logits=last_logits)
+                            num_kv_heads=kv_local, max_len=max_len, last_logits=last_logits,
+                            cache_rows=cache_rows)
         pnames = list(ff.param_names)
         shapes = {n: (tuple(p.shape), p.dtype) for n, p in local.named_parameters()}
         mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -40,6 +40,16 @@ inputs, resp. outputs, weights not counted):
     there (``aten.index_put``) and they attend to cache positions <= their own (an additive
     mask built in the graph from cache_position); what lies beyond is never read, so rows may
     be at different positions and a cache may hold stale entries past a row's position.
+  a prefill into a static cache of R rows, ``max_len=M, cache_rows=R`` (R >= B; with or without
+    ``last_logits``):
+                  in  input_ids[B,S], [logits_index[B],] cache_row[B] int64, past_key_values_{l}_{0|1}[R,Hkv,M,D]
+                  out logits[B,S|1,V], past_key_values_{l}_{0|1}[R,Hkv,M,D]   (updated)
+    Row b's prompt is at positions 0..S-1 and attends causally to itself only (a prefill: the
+    cache is written, never read); its keys/values go into cache row cache_row[b] (clamped to
+    [0, R)), positions 0..S-1. Rows of the batch naming the same cache row all write the FIRST
+    such row's keys/values (identical values, so the duplicate write is deterministic): a server
+    points its pad rows at a real row's cache row. A serving engine so prefills straight into
+    the KV cache its decode step updates: no [B,Hkv,S,D] caches are returned and copied.
   bert: in input_ids, attention_mask, token_type_ids [B,S] int64 (mask 1 = keep);
         out last_hidden_state[B,S,H] and, if the model has a pooler, pooler_output[B,H].
 
@@ -71,7 +81,8 @@ from fastpipe.errors import BuildError
 # (nn.Parameters passed as they are: Llama's rotary runs under no_grad).
 # A static cache (max_len) adds aten.index_put (the cache write) and aten.full
 # (the mask's minimum); tests/test_static_cache.py checks those traces. last_logits adds aten.clamp
-# (the positions' bounds; the gather is aten.index.Tensor).
+# (the positions' bounds; the gather is aten.index.Tensor). cache_rows adds aten.eq and aten.argmax
+# (each batch row's first row with the same cache row).
 # transformers 5.17 (the GPU machine's) builds the eager mask with
 # torch.where(mask, torch.tensor(0.0), min): a constant, read through aten.lift_fresh_copy
 # (VERSION_DEPENDENT_OPS: 5.23 and 5.24 trace no such op).
@@ -81,7 +92,7 @@ ATEN_OPS = frozenset({
     "aten.addmm.default", "aten.alias.default", "aten.arange.default", "aten.bitwise_and.Tensor",
     "aten.bmm.default", "aten.cat.default", "aten.clamp.default", "aten.clone.default", "aten.cos.default",
     "aten.detach.default",
-    "aten.embedding.default", "aten.expand.default", "aten.full.default", "aten.ge.Scalar",
+    "aten.argmax.default", "aten.embedding.default", "aten.eq.Tensor", "aten.expand.default", "aten.full.default", "aten.ge.Scalar",
     "aten.gelu.default", "aten.index.Tensor", "aten.index_put.default", "aten.le.Tensor",
     "aten.lift_fresh_copy.default", "aten.mean.dim",
     "aten.mm.default", "aten.mul.Tensor", "aten.native_layer_norm.default", "aten.neg.default",
@@ -110,6 +121,7 @@ class FlatSignature:
     outputs: tuple[FlatTensor, ...]
     max_len: int | None = None  # a static KV cache of max_len positions (module docstring)
     last_logits: bool = False   # logits_index [B] in, logits [B, 1, V] out (module docstring)
+    cache_rows: int | None = None  # a prefill into a static cache of this many rows (module docstring)
 
     @property
     def input_names(self) -> list[str]:
@@ -166,12 +178,14 @@ def attention_dims(family: str, config) -> tuple[int, int, int, int]:
 
 def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int | None = 0, *,
                    dtype: torch.dtype | None = None, num_kv_heads: int | None = None,
-                   pooler: bool = True, max_len: int | None = None, last_logits: bool = False) -> FlatSignature:
+                   pooler: bool = True, max_len: int | None = None, last_logits: bool = False,
+                   cache_rows: int | None = None) -> FlatSignature:
     """Names, shapes, dtypes and idx of the flat inputs/outputs (see module docstring).
 
     ``max_len``: a static KV cache of that many positions (decoders; see the module docstring).
     ``last_logits``: logits_index [B] in, the logits at those positions [B, 1, V] out (decoders
-    without a static cache).
+    without a static cache, or a prefill into one).
+    ``cache_rows``: with ``max_len``, a prefill into a static cache of that many rows.
 
     ``dtype``: of the cache and the float outputs (default: config.dtype or
     float32). ``num_kv_heads`` overrides the KV head count (a rank-local
@@ -192,10 +206,17 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
             outs.append(("pooler_output", (batch, config.hidden_size), dt))
         past_len = None
     elif family in ("gpt2", "llama"):
+        if cache_rows is not None:
+            if max_len is None:
+                raise BuildError("cache_rows: expected with max_len (a prefill into a static cache of cache_rows x "
+                                 "max_len positions), found without")
+            if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < batch:
+                raise BuildError(f"cache_rows: expected an integer >= batch ({batch}: a cache row per prompt), "
+                                 f"found {cache_rows!r}")
         if last_logits:
-            if max_len is not None:
-                raise BuildError("last_logits: expected off with a static cache (max_len: a decode step's "
-                                 "logits are already one per row), found on")
+            if max_len is not None and cache_rows is None:
+                raise BuildError("last_logits: expected off with a static-cache step (max_len: a decode step's "
+                                 "logits are already one per row; a prefill into the cache takes cache_rows), found on")
             ins.append(("logits_index", (batch,), i64))
         outs.append(("logits", (batch, 1 if last_logits else seq_len, config.vocab_size), dt))
         if max_len is not None:
@@ -204,12 +225,12 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
             limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
             if limit and max_len > limit:
                 raise BuildError(f"max_len: expected at most the model's {limit} positions, found {max_len}")
-            ins.append(("cache_position", (batch,), i64))
+            ins.append(("cache_row" if cache_rows is not None else "cache_position", (batch,), i64))
             layers, _, kv, head_dim = attention_dims(family, config)
             kv = num_kv_heads or kv
             for layer in range(layers):
                 for which in (0, 1):
-                    shape = (batch, kv, max_len, head_dim)
+                    shape = (cache_rows or batch, kv, max_len, head_dim)
                     ins.append((kv_name(layer, which), shape, dt))
                     outs.append((kv_name(layer, which), shape, dt))
             past_len = None
@@ -227,11 +248,14 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
         raise BuildError(f"family: expected gpt2, llama or bert, found {family!r}")
     if last_logits and family == "bert":
         raise BuildError("last_logits: expected off for bert (an encoder: no logits), found on")
+    if cache_rows is not None and family == "bert":
+        raise BuildError(f"cache_rows: expected None for bert (no KV cache), found {cache_rows!r}")
     return FlatSignature(
         family, batch, seq_len, past_len,
         tuple(FlatTensor(n, s, d, i) for i, (n, s, d) in enumerate(ins)),
         tuple(FlatTensor(n, s, d, i) for i, (n, s, d) in enumerate(outs)),
         max_len if family != "bert" else None, bool(last_logits),
+        cache_rows if family != "bert" and max_len is not None else None,
     )
 
 
@@ -287,12 +311,32 @@ def _cache_classes():
         def get_seq_length(self) -> int:
             return 0      # positions come from cache_position, never from the cache's size
 
-    return DynamicCache, _FlatLayer, _StaticLayer
+    class _RowsLayer(_FlatLayer):
+        """A prefill's layer writing into a static cache [R, Hkv, M, D]: the prompt's keys/values
+        [B, Hkv, S, D] go to cache rows `rows` [B], positions 0..S-1 (``aten.index_put``, functional:
+        ``cache_keys``/``cache_values`` are the updated caches), row b writing row `first[b]`'s; attention
+        reads the prompt's own keys/values (the layer holds them as a past-less DynamicLayer would)."""
+
+        def __init__(self, keys, values, rows, first):
+            super().__init__()
+            self.cache_keys, self.cache_values = keys, values
+            self.rows, self.first = rows, first              # [B] each
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            b, h, s, _ = key_states.shape                    # [B, Hkv, S, D]
+            heads = torch.arange(h, device=key_states.device).view(1, h, 1)
+            steps = torch.arange(s, device=key_states.device).view(1, 1, s)
+            where = (self.rows.view(b, 1, 1), heads, steps)  # broadcast to [B, Hkv, S]
+            self.cache_keys = self.cache_keys.index_put(where, key_states[self.first])
+            self.cache_values = self.cache_values.index_put(where, value_states[self.first])
+            return super().update(key_states, value_states)
+
+    return DynamicCache, _FlatLayer, _StaticLayer, _RowsLayer
 
 
 def flat_cache(num_layers: int, past: tuple[torch.Tensor, ...] | list[torch.Tensor]):
     """A transformers DynamicCache over flat tensors [l0 keys, l0 values, l1 keys, ...] (empty if none)."""
-    DynamicCache, FlatLayer, _ = _cache_classes()
+    DynamicCache, FlatLayer, *_ = _cache_classes()
     if past and len(past) != 2 * num_layers:
         raise BuildError(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
     cache = DynamicCache()
@@ -304,12 +348,29 @@ def flat_cache(num_layers: int, past: tuple[torch.Tensor, ...] | list[torch.Tens
 def static_cache(num_layers: int, past, positions: torch.Tensor):
     """A DynamicCache of static layers over flat tensors [l0 keys, l0 values, ...], each [B, Hkv, M, D];
     `positions` [B, S]: where each row's new tokens go."""
-    DynamicCache, _, StaticLayer = _cache_classes()
+    DynamicCache, _, StaticLayer, _ = _cache_classes()
     if len(past) != 2 * num_layers:
         raise BuildError(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
     cache = DynamicCache()
     cache.layer_class_to_replicate = None
     cache.layers = [StaticLayer(past[2 * l], past[2 * l + 1], positions) for l in range(num_layers)]
+    return cache
+
+
+def rows_cache(num_layers: int, past, cache_row: torch.Tensor):
+    """A DynamicCache of layers that write a prefill into rows of static caches [l0 keys, l0 values, ...],
+    each [R, Hkv, M, D]: batch row b into cache row cache_row[b] (clamped to [0, R)); batch rows naming
+    one cache row write the first one's keys/values."""
+    DynamicCache, *_, RowsLayer = _cache_classes()
+    if len(past) != 2 * num_layers:
+        raise BuildError(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
+    b = cache_row.shape[0]
+    rows = cache_row.clamp(0, past[0].shape[0] - 1)                            # [B]
+    same = rows.view(b, 1) == rows.view(1, b)                                   # [B, B]
+    first = same.to(torch.int64).argmax(dim=1)                                  # [B]: the first equal row
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = None
+    cache.layers = [RowsLayer(past[2 * l], past[2 * l + 1], rows, first) for l in range(num_layers)]
     return cache
 
 
@@ -337,7 +398,8 @@ class FlatForward:
 
 def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
                    past_len: int | None = 0, num_kv_heads: int | None = None,
-                   max_len: int | None = None, last_logits: bool = False) -> FlatForward:
+                   max_len: int | None = None, last_logits: bool = False,
+                   cache_rows: int | None = None) -> FlatForward:
     """The flat function of ``model`` for one static shape (see module docstring).
 
     ``num_kv_heads``: the KV heads the module holds when it is a rank-local
@@ -352,7 +414,8 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
     dtype = next(iter(model.parameters())).dtype
     layers = attention_dims(family, config)[0]
     sig = flat_signature(family, config, batch, seq_len, past_len, dtype=dtype, pooler=pooler,
-                         num_kv_heads=num_kv_heads, max_len=max_len, last_logits=last_logits)
+                         num_kv_heads=num_kv_heads, max_len=max_len, last_logits=last_logits,
+                         cache_rows=cache_rows)
     n_in = len(sig.inputs)
 
     def check(ps: Mapping[str, torch.Tensor], flat: tuple) -> None:
@@ -369,6 +432,23 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
                 "input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids})
             res = (out.last_hidden_state,)
             return res + (out.pooler_output,) if pooler else res
+    elif sig.cache_rows is not None:
+        rows_model = _RowLogits(model) if sig.last_logits else None
+
+        def fn(ps, input_ids, *rest):
+            check(ps, (input_ids, *rest))
+            logits_index, cache_row, *past = rest if sig.last_logits else (None, *rest)
+            cache = rows_cache(layers, past, cache_row)
+            if sig.last_logits:
+                logits = torch.func.functional_call(rows_model, {f"lm.{n}": t for n, t in ps.items()}, (), {
+                    "input_ids": input_ids, "logits_index": logits_index, "cache": cache})
+            else:
+                logits = torch.func.functional_call(model, dict(ps), (), {
+                    "input_ids": input_ids, cache_keyword(model): cache, "use_cache": True}).logits
+            res = [logits]
+            for layer in cache.layers:
+                res += [layer.cache_keys, layer.cache_values]
+            return tuple(res)
     elif sig.max_len is not None:
         def fn(ps, input_ids, cache_position, *past):
             check(ps, (input_ids, cache_position, *past))
