@@ -124,8 +124,24 @@ def test_build_max_len_without_serve_is_one_static_cache_step(model_dir, tmp_pat
     assert ins["past_key_values_0_0"].shape[2] == 24
 
 
+def test_build_cache_rows_is_a_prefill_into_a_static_cache(model_dir, tmp_path, capsys):
+    from fastpipe.format import read_pipeline
+
+    code, out, _ = cli(capsys, "build", model_dir[0], "-o", tmp_path / "o", "--max-len", "24", "--seq-len", "8",
+                       "--batch", "2", "--cache-rows", "3", "--last-logits")
+    assert code == 0 and out.startswith(f"wrote {tmp_path / 'o' / 'pipeline.json'}: 1 slots")
+    meta = read_pipeline(tmp_path / "o" / "pipeline.json").metadata
+    ins = meta.tensors_inputs
+    assert ins["input_ids"].shape == (2, 8) and ins["cache_row"].shape == (2,) and ins["logits_index"].shape == (2,)
+    assert ins["past_key_values_0_0"].shape[:3] == (3, 2, 24) and "cache_position" not in ins
+    assert meta.tensors_outputs["logits"].shape[:2] == (2, 1)
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--serve"], "--serve: expected --max-len M"),
+    (["--cache-rows", "2"], "--cache-rows: expected with --max-len"),
+    (["--max-len", "48", "--batch", "4", "--cache-rows", "2"], "--cache-rows: expected >= --batch (4: a cache row per"),
+    (["--serve", "--max-len", "48", "--cache-rows", "2"], "--cache-rows: expected none with --serve"),
     (["--serve", "--max-len", "48", "--seq-len", "4", "--batch", "2"],
      "--seq-len/--batch: expected none with --serve"),
     (["--serve", "--max-len", "48", "--past-len", "0"], "--past-len: expected none with --serve"),

@@ -21,9 +21,12 @@ def cmd_build(args) -> int:
     if args.serve:
         return _build_serving_set(args, model_dir)
     given = _given(args, "--batches", "--prompt-lens")
-    if args.last_logits and args.max_len is not None:
+    if args.cache_rows is not None and args.max_len is None:
+        raise InputError("--cache-rows: expected with --max-len (a prefill into a static cache of cache-rows x "
+                         "max-len positions), found without")
+    if args.last_logits and args.max_len is not None and args.cache_rows is None:
         raise InputError("--last-logits/--max-len: expected one of them, found both (a static-cache step's logits "
-                         "are one per row already)")
+                         "are one per row already; a prefill into the cache takes --cache-rows)")
     if given:
         raise InputError(f"{'/'.join(given)}: expected with --serve (they shape a serving set), found without")
     batch = 1 if args.batch is None else args.batch
@@ -42,12 +45,15 @@ def cmd_build(args) -> int:
                              "step has no sequence parallelism)")
         if args.max_len < seq_len:
             raise InputError(f"--max-len: expected >= --seq-len ({seq_len}), found {args.max_len}")
+        if args.cache_rows is not None and args.cache_rows < batch:
+            raise InputError(f"--cache-rows: expected >= --batch ({batch}: a cache row per prompt), "
+                             f"found {args.cache_rows}")
     t0 = time.perf_counter()
     try:
         built = build_hf(model_dir, tp=args.tp, pp=args.pp, batch=batch, seq_len=seq_len,
                          past_len=args.past_len, sequence_parallel=args.sequence_parallel,
                          split_points=args.split_points.split(",") if args.split_points else None,
-                         max_len=args.max_len, last_logits=args.last_logits)
+                         max_len=args.max_len, last_logits=args.last_logits, cache_rows=args.cache_rows)
     except ValueError as e:
         raise InputError(f"build: {' '.join(str(e).split())}") from None
     try:
@@ -84,7 +90,8 @@ def _build_serving_set(args, model_dir) -> int:
 
     from fastpipe.generation.build import SIDE_FILES, build_serving_set, default_prompt_lens
 
-    given = _given(args, "--seq-len", "--past-len", "--batch", "--split-points", "--sequence-parallel")
+    given = _given(args, "--seq-len", "--past-len", "--batch", "--split-points", "--sequence-parallel",
+                   "--cache-rows")
     if given:
         raise InputError(f"{'/'.join(given)}: expected none with --serve, found {len(given)} (a serving set takes "
                          "its shapes from --batches, --prompt-lens and --max-len, and has no split points or "

@@ -136,12 +136,16 @@ def parser() -> argparse.ArgumentParser:
                    help="decoders: omit for no KV cache; 0 for a prefill that outputs the cache; P for a decode step over P cached tokens")
     b.add_argument("--sequence-parallel", action="store_true", help="reduce_scatter/all_gather on the sequence dim instead of all_reduce")
     b.add_argument("--last-logits", action="store_true",
-                   help="decoders without --max-len: take logits_index [B] (a position per row) and return the "
-                        "logits there only, [B, 1, V] instead of [B, S, V] (what a serving prefill needs; --serve "
-                        "builds its prefills so)")
+                   help="decoders without --max-len, or with --cache-rows: take logits_index [B] (a position per "
+                        "row) and return the logits there only, [B, 1, V] instead of [B, S, V] (what a serving "
+                        "prefill needs; --serve builds its prefills so)")
     b.add_argument("--max-len", type=int, metavar="M",
                    help="decoders: a static KV cache of M positions (prompt + generated tokens). Alone: one "
                         "static-cache step (not with --past-len); with --serve: the serving set's max_len (required)")
+    b.add_argument("--cache-rows", type=int, metavar="R",
+                   help="with --max-len: a prefill written straight into rows of a static cache [R, Hkv, M, D]: "
+                        "takes cache_row [B] (each prompt's row) and the caches, returns them updated (R >= "
+                        "--batch; --serve builds its prefills so, R = the largest batch)")
     b.add_argument("--serve", action="store_true",
                    help="write a serving set for `fastpipe generate` (needs --max-len; takes --batches and "
                         "--prompt-lens instead of --batch, --seq-len and --past-len)")
