@@ -72,38 +72,91 @@ def test_greedy_tokens_equal_transformers_generate(served):
         assert toks == _hf_greedy(model, p, 64)
 
 
-def test_prefills_return_only_each_rows_last_logits(served):
-    """The serving set's prefills take logits_index [B] and return logits [B, 1, V], no [B, S, V]: the
-    engine passes each prompt's last real token (its tokens are checked above)."""
+def test_prefills_write_the_prompts_into_the_engines_cache(served, monkeypatch):
+    """The serving set's prefills take logits_index [B], cache_row [B] and the caches [R, Hkv, M, D] (R = the
+    largest batch) and return logits [B, 1, V] and those caches, updated: the engine hands them its own
+    cache tensors, nothing is returned to be copied (KVState.admit is never called), and its tokens are
+    checked above."""
     from fastpipe.format import read_pipeline
-    from fastpipe.generation.buckets import last_logits_only
+    from fastpipe.generation.buckets import last_logits_only, writes_cache
+    from fastpipe.generation.kv_state import KVState
 
     family, model, folder, paths = served
     prefills = [read_pipeline(p) for p in paths if p.parent.name.startswith("prefill_")]
     assert len(prefills) == 4
     for p in prefills:
         b, s = p.metadata.tensors_inputs["input_ids"].shape
-        assert p.metadata.tensors_inputs["logits_index"].shape == (b,)
-        assert p.metadata.tensors_outputs["logits"].shape == (b, 1, model.config.vocab_size)
+        ins, outs = p.metadata.tensors_inputs, p.metadata.tensors_outputs
+        assert ins["logits_index"].shape == ins["cache_row"].shape == (b,)
+        assert outs["logits"].shape == (b, 1, model.config.vocab_size)
+        caches = [n for n in ins if n.startswith("past_key_values_")]
+        assert caches and set(caches) == set(outs) - {"logits"}
+        assert all(ins[n].shape[0] == 4 and ins[n].shape[2] == MAX_LEN for n in caches)
+    monkeypatch.setattr(KVState, "admit", lambda *a: pytest.fail("a prefill's caches were copied"))
+    seen = []
     with Engine(folder, eos_token_id=None, compile=False, warmup=False) as eng:
-        assert all(last_logits_only(sess) for sess in eng.buckets.prefills.values())
+        assert all(last_logits_only(s) and writes_cache(s) for s in eng.buckets.prefills.values())
+        for sess in eng.buckets.prefills.values():
+            run = sess.run
+            monkeypatch.setattr(sess, "run", lambda inputs, run=run, **kw: seen.append(inputs) or run(inputs, **kw))
+        prompts = _prompts(3, 9, model.config.vocab_size)
+        got = eng.generate(prompts, max_new_tokens=3)
+        full = {t.data_ptr() for t in eng.kv.full.values()}
+    assert got == [_hf_greedy(model, p, 3) for p in prompts]
+    assert seen and all(full <= {t.data_ptr() for t in inputs.values()} for inputs in seen)
 
 
-def test_an_older_set_whose_prefills_return_every_positions_logits_still_serves(tmp_path):
-    """A serving set written before prefills took logits_index (input_ids -> logits [B, S, V]) is still
-    served: the engine reads each row's logits at its last real token."""
+def test_a_smaller_engine_batch_decodes_the_first_rows_of_the_prefills_cache(llama_set):
+    """batch=2 of a set built for batches 2 and 4: the cache has the prefills' 4 rows, the decode step gets
+    views of its first 2 (the same objects at every step), and tokens still equal transformers'."""
+    model, folder = llama_set
+    with Engine(folder, eos_token_id=None, compile=False, batch=2) as eng:
+        assert eng.kv.rows == 4
+        for name, t in eng.kv.tensors.items():
+            full = eng.kv.full[name]
+            assert full.shape[0] == 4 and t.shape[0] == 2 and t.data_ptr() == full.data_ptr() and t._base is full
+        views = dict(eng.kv.tensors)
+        prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3]]
+        got = eng.generate(prompts, max_new_tokens=5)
+        assert all(eng.kv.tensors[n] is t for n, t in views.items())
+    assert got == [_hf_greedy(model, p, 5) for p in prompts]
+
+
+def test_prefills_into_a_cache_of_another_size_are_refused(tmp_path):
     import shutil
 
     from fastpipe.builder.hf.build import build_hf
-    from fastpipe.generation.buckets import last_logits_only
+
+    save_random_checkpoint(CONFIGS["llama"](), tmp_path / "m", seed=5)
+    build_serving_set(tmp_path / "m", tmp_path / "set", max_len=32, batches=(2,), prompt_lens=(8, 16), tp=2)
+    shutil.rmtree(tmp_path / "set" / "prefill_b2_s8")
+    build_hf(tmp_path / "m", tp=2, batch=2, seq_len=8, max_len=32, cache_rows=3,
+             last_logits=True).save(tmp_path / "set" / "prefill_b2_s8")
+    with pytest.raises(InputError, match=r"expected prefills writing into one cache of at least 2 rows \(the decode "
+                                         r"batch\), found caches of \[2, 3\] rows"):
+        Engine(tmp_path / "set", compile=False, warmup=False)
+
+
+@pytest.mark.parametrize("older", ["caches-out", "full-logits"])
+def test_an_older_set_whose_prefills_return_caches_still_serves(tmp_path, older):
+    """Serving sets written before prefills wrote into the engine's cache: prefills returning their caches
+    [B, Hkv, S, D] (with logits_index -> logits [B, 1, V], or older still input_ids only -> [B, S, V]) are
+    still served: the engine copies the caches into the rows and reads each row's last real token."""
+    import shutil
+
+    from fastpipe.builder.hf.build import build_hf
+    from fastpipe.generation.buckets import last_logits_only, writes_cache
 
     model = save_random_checkpoint(CONFIGS["llama"](), tmp_path / "m", seed=5).eval()
     build_serving_set(tmp_path / "m", tmp_path / "set", max_len=32, batches=(2,), prompt_lens=(8,), tp=2)
     shutil.rmtree(tmp_path / "set" / "prefill_b2_s8")
-    build_hf(tmp_path / "m", tp=2, batch=2, seq_len=8, past_len=0).save(tmp_path / "set" / "prefill_b2_s8")
+    build_hf(tmp_path / "m", tp=2, batch=2, seq_len=8, past_len=0,
+             last_logits=older == "caches-out").save(tmp_path / "set" / "prefill_b2_s8")
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
     with Engine(tmp_path / "set", eos_token_id=None, compile=False) as eng:
-        assert not last_logits_only(eng.buckets.prefills[(2, 8)])
+        sess = eng.buckets.prefills[(2, 8)]
+        assert not writes_cache(sess) and last_logits_only(sess) == (older == "caches-out")
+        assert eng.kv.rows == 2
         got = eng.generate(prompts, max_new_tokens=6)
     assert got == [_hf_greedy(model, p, 6) for p in prompts]
 

@@ -460,7 +460,7 @@ SET = GRAPHS.parent / "tests" / "data" / "serving" / "llama_tp2"
 def test_buckets_warm_up_largest_first_in_one_pool_on_the_engines_caches(monkeypatch):
     """Order and plumbing only (a CPU has no graph to capture, so every bucket is made to look as if it
     had one): the buckets share one GraphPool, warm up largest first (batch x length of input_ids), and
-    the engine's decode bucket is captured on the engine's own caches."""
+    the engine's decode and prefill buckets are captured on the engine's own caches."""
     from fastpipe.generation.buckets import ServingBuckets
     from fastpipe.generation.engine import Engine
     from fastpipe.session import Session
@@ -471,15 +471,17 @@ def test_buckets_warm_up_largest_first_in_one_pool_on_the_engines_caches(monkeyp
     with Engine(SET, eos_token_id=None, compile=False) as eng:
         bs = eng.buckets
         assert [s for s, *_ in seen] == bs.by_size() == [bs.prefills[(2, 8)], bs.decodes[2]]
-        assert seen[0][1:] == (None, True)                          # a prefill: captured on its seeded inputs
+        prefill_caches = eng.kv.inputs_of(bs.prefills[(2, 8)])      # [R, Hkv_slot, M, D] under its own names
+        assert seen[0][2] and prefill_caches and all(seen[0][1][n] is t for n, t in prefill_caches.items())
+        assert seen[0][1]["cache_row"].tolist() == [0, 0]          # pad rows only, into row 0 (nobody's yet)
         assert seen[1][2] and all(seen[1][1][n] is t for n, t in eng.kv.tensors.items())
         assert isinstance(bs.graph_pool, GraphPool)
         assert all(s.run_options.graph_pool is bs.graph_pool for s in bs.sessions())
         assert all(s.run_options.alias_outputs for s in bs.sessions())    # replays hand out their buffers
         seen.clear()
-        eng.buckets.decodes[2].compile_report = None
-        eng.buckets.warmup()             # no caches given: the decode bucket is not captured on seeded ones
-        assert [(s, c) for s, _, c in seen] == [(bs.prefills[(2, 8)], True)]
+        eng.buckets.decodes[2].compile_report = bs.prefills[(2, 8)].compile_report = None
+        eng.buckets.warmup()             # no caches given: no bucket with state is captured on seeded ones
+        assert seen == []                # (and compile=False: nothing to compile either)
     mine = GraphPool()
     for kw in ({"graph_pool": mine}, {"run_options": RunOptions(processor="region", graph_pool=mine)}):
         bs = ServingBuckets(SET, **kw)

@@ -49,50 +49,51 @@ def test_committed_greedy_tokens_win_by_a_margin_no_device_rounding_can_flip(mon
 
 
 def _watch_engine_devices(monkeypatch) -> dict:
-    """Where the engine assembles (the device asked of assemble_outputs and run_model), samples (the logits'
-    device) and takes caches from (KVState.admit's); each a list of what was seen."""
+    """Where the engine assembles (the device asked of assemble_outputs), samples (the logits' device) and
+    where the prefills' inputs and caches are (the devices of what the prefill sessions run on); each a list
+    of what was seen. No prefill runs at the model level (run_model) or has its caches copied (admit)."""
     import fastpipe.generation.engine as engine_mod
     from fastpipe.generation.kv_state import KVState
     from fastpipe.session import Session
 
-    seen = {"assemble": [], "run_model": [], "sample": [], "admit": []}
-    assemble, run_model, sample, admit = engine_mod.assemble_outputs, Session.run_model, engine_mod.sample, KVState.admit
+    seen = {"assemble": [], "sample": [], "prefill": []}
+    assemble, sample, prefill_inputs = engine_mod.assemble_outputs, engine_mod.sample, Engine._prefill_inputs
 
     def assemble_spy(*a, device=None, **kw):
         seen["assemble"].append(device)
         return assemble(*a, device=device, **kw)
 
-    def run_model_spy(self, *, output_device=None, **kw):
-        seen["run_model"].append(output_device)
-        return run_model(self, output_device=output_device, **kw)
-
     def sample_spy(logits, params, gens):
         seen["sample"].append(logits.device)
         return sample(logits, params, gens)
 
-    def admit_spy(self, row, caches, i):
-        seen["admit"] += [t.device for t in caches.values()]
-        return admit(self, row, caches, i)
+    def prefill_spy(self, sess, placed):
+        inputs = prefill_inputs(self, sess, placed)
+        seen["prefill"] += [t.device for t in inputs.values()]
+        return inputs
 
     monkeypatch.setattr(engine_mod, "assemble_outputs", assemble_spy)
-    monkeypatch.setattr(Session, "run_model", run_model_spy)
     monkeypatch.setattr(engine_mod, "sample", sample_spy)
-    monkeypatch.setattr(KVState, "admit", admit_spy)
+    monkeypatch.setattr(Engine, "_prefill_inputs", prefill_spy)
+    monkeypatch.setattr(Session, "run_model", lambda *a, **kw: pytest.fail("a prefill ran at the model level"))
+    monkeypatch.setattr(KVState, "admit", lambda *a: pytest.fail("a prefill's caches were copied"))
     return seen
 
 
-def test_engine_assembles_logits_and_caches_where_the_decode_logits_are(monkeypatch):
-    """Logits and prefill caches are assembled on the device of the decode step's logits (engine.device),
-    sampled there, and the caches admitted from there: on a GPU nothing but the sampled ids crosses to the
-    host (the GPU test below). Here: the engine asks for that device every time."""
+def test_engine_assembles_logits_where_the_decode_logits_are_and_prefills_into_its_cache(monkeypatch):
+    """Logits are assembled on the device of the decode step's logits (engine.device) and sampled there;
+    the prefills write into the engine's cache where it lives: on a GPU nothing but the sampled ids (and
+    the prompts' ids going in) crosses the host (the GPU test below). Here: the engine asks for that
+    device every time."""
     seen = _watch_engine_devices(monkeypatch)
     with Engine(SET, eos_token_id=None, compile=False) as eng:
         want = eng.decode.slot_devices[next(s.device for s in eng.decode.pipeline.metadata.slices_outputs.values()
                                             if s.origin == "logits")]
         assert eng.device == want
         assert _generate(eng) == EXPECTED["tokens"]
-    assert seen["assemble"] and seen["run_model"] and seen["sample"] and seen["admit"]
-    assert set(seen["assemble"]) == set(seen["run_model"]) == set(seen["sample"]) == set(seen["admit"]) == {want}
+    assert seen["assemble"] and seen["sample"] and seen["prefill"]
+    assert set(seen["assemble"]) == set(seen["sample"]) == set(seen["prefill"]) == {want}
+
 
 def _on_gpu(path: Path) -> dict:
     p = read_pipeline(path)
@@ -108,6 +109,11 @@ def test_engine_on_gpu_captures_the_decode_step_at_warmup_and_keeps_its_caches()
         assert all(t.device.type == "cuda" for t in eng.kv.tensors.values())
         ptrs = {n: t.data_ptr() for n, t in eng.kv.tensors.items()}
         assert replay.static_in[next(iter(ptrs))] is eng.kv.tensors[next(iter(ptrs))]   # the caches are the graph's
+        prefill = eng.buckets.prefills[(2, 8)]                     # and the prefill's, captured on the same caches
+        pre = prefill.runner.replay
+        assert pre is not None and pre.replaying
+        caches = eng.kv.inputs_of(prefill)                         # name -> the engine's [R, Hkv_slot, M, D]
+        assert len(caches) == len(prefill.state) and all(pre.static_in[n] is t for n, t in caches.items())
         assert _generate(eng) == EXPECTED["tokens"]
         assert _generate(eng) == EXPECTED["tokens"]                # replayed again, same tokens
         assert {n: t.data_ptr() for n, t in eng.kv.tensors.items()} == ptrs
@@ -143,11 +149,11 @@ def test_state_in_place_on_gpu_equals_the_cpu_copying_path(processor):
 
 
 @pytest.mark.cuda
-def test_engine_on_gpu_samples_there_and_admits_caches_device_to_device(monkeypatch):
+def test_engine_on_gpu_samples_there_and_prefills_into_its_cache_there(monkeypatch):
     seen = _watch_engine_devices(monkeypatch)
     with Engine(SET, eos_token_id=None, compile=False, device_map=_on_gpu(SET / "decode_b2" / "pipeline.json")) as eng:
         assert eng.device == torch.device("cuda:0")
         assert _generate(eng) == EXPECTED["tokens"]
-    assert seen["sample"] and seen["admit"]
-    assert {d.type for key in ("sample", "admit") for d in seen[key]} == {"cuda"}
-    assert {torch.device(d).type for key in ("assemble", "run_model") for d in seen[key]} == {"cuda"}
+    assert seen["sample"] and seen["prefill"]
+    assert {d.type for key in ("sample", "prefill") for d in seen[key]} == {"cuda"}
+    assert {torch.device(d).type for d in seen["assemble"]} == {"cuda"}

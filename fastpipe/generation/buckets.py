@@ -6,17 +6,20 @@
     bs.max_len, bs.vocab
 
 A decode pipeline is one whose model inputs are input_ids [B, 1], cache_position [B] and caches
-[B, Hkv, M, D] returned updated (M = max_len); a prefill pipeline takes input_ids [B, S] and
-logits_index [B] (each row's last real token) and returns that position's logits [B, 1, V] and
-caches [B, Hkv, S, D]; a prefill of an older set, input_ids only -> logits [B, S, V], is served
-too (`last_logits_only(session)` tells them apart). Anything else in the folder is refused by name.
+[B, Hkv, M, D] returned updated (M = max_len). A prefill pipeline takes input_ids [B, S] and
+logits_index [B] (each row's last real token) and returns that position's logits [B, 1, V]; the
+serving set's prefills also take cache_row [B] and the engine's caches [R, Hkv, M, D] (R rows: the
+largest batch built) and return them with each prompt written into its row (`writes_cache(session)`:
+state in place, like the decode step). Older sets' prefills are served too: caches [B, Hkv, S, D]
+returned for the engine to copy, and (older still) input_ids only -> logits [B, S, V]
+(`last_logits_only(session)`). Anything else in the folder is refused by name.
 All buckets load through one WeightStore: each weight slice is read and held once (on a GPU: one
 copy there, fastpipe.weights.WeightStore.load), and share one
 CUDA-graph memory pool (`graph_pool`, fastpipe.runtime.graph_replay.GraphPool): warmup() captures
 the largest bucket first, and the smaller ones reuse its memory. Graphs in one pool take turns (the
 engine runs one step at a time on one worker anyway): a bucket never replays while another does.
 Replayed, a bucket returns its graph's own output buffers, not clones (RunOptions.alias_outputs): a
-prefill's caches are not copied once more before the engine copies them into its rows. So
+decode step's logits are not copied once more before the engine samples from them. So
 a bucket's outputs are valid until the next run of any bucket: the engine reads (copies, samples)
 each run's before the next; a caller of a bucket's session must do the same, or clone.
 """
@@ -24,12 +27,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from fastpipe.errors import InputError
 
 KV_PREFIX = "past_key_values_"
 LOGITS_INDEX = "logits_index"
+CACHE_ROW = "cache_row"
 
 
 def _kind(p) -> str | None:
@@ -40,9 +44,17 @@ def _kind(p) -> str | None:
     kv_out = [n for n in outs if n.startswith(KV_PREFIX)]
     if set(ins) == {"input_ids", "cache_position", *kv_in} and kv_in and set(kv_in) == set(kv_out):
         return "decode" if ins["input_ids"].shape[1] == 1 else None
+    if set(ins) == {"input_ids", LOGITS_INDEX, CACHE_ROW, *kv_in} and kv_in and set(kv_in) == set(kv_out):
+        return "prefill"
     if set(ins) in ({"input_ids"}, {"input_ids", LOGITS_INDEX}) and kv_out:
         return "prefill"
     return None
+
+
+def writes_cache(session) -> bool:
+    """Whether a prefill bucket writes its prompts into the engine's cache (cache_row [B] and the caches
+    [R, Hkv, M, D] in, updated in place), rather than returning caches [B, Hkv, S, D] to copy."""
+    return CACHE_ROW in session.pipeline.metadata.tensors_inputs
 
 
 def last_logits_only(session) -> bool:
@@ -81,18 +93,21 @@ class ServingBuckets:
             p = read_pipeline(path)
             kind = _kind(p)
             if kind is None:
-                raise InputError(f"serving set: {path}: expected a prefill (input_ids[, logits_index] -> logits, caches) or a "
-                                 "static-cache decode step (input_ids, cache_position, caches), found model inputs "
+                raise InputError(f"serving set: {path}: expected a prefill (input_ids, logits_index[, cache_row, caches] -> "
+                                 "logits, caches) or a static-cache decode step (input_ids, cache_position, caches), "
+                                 "found model inputs "
                                  + ", ".join(sorted(p.metadata.tensors_inputs)))
             ids = p.metadata.tensors_inputs["input_ids"].shape
             if kind == "decode":
                 self.decodes[ids[0]] = load(p, store=self.store, **self._with(load_kwargs, state_in_place=True))
             else:
-                self.prefills[(ids[0], ids[1])] = load(p, store=self.store, **load_kwargs)
+                into = CACHE_ROW in p.metadata.tensors_inputs
+                self.prefills[(ids[0], ids[1])] = load(p, store=self.store,
+                                                       **(self._with(load_kwargs, state_in_place=True) if into else load_kwargs))
         if not self.decodes or not self.prefills:
             raise InputError(f"serving set \"{self.folder}\": expected at least one prefill and one decode pipeline, "
                              f"found {len(self.prefills)} prefill and {len(self.decodes)} decode")
-        lens = {self._cache_len(s) for s in self.decodes.values()}
+        lens = {self._cache_len(s) for s in self.sessions() if s.state}
         vocabs = {s.pipeline.metadata.tensors_outputs["logits"].shape[-1]
                   for s in (*self.decodes.values(), *self.prefills.values())}
         if len(lens) != 1 or len(vocabs) != 1:
@@ -132,23 +147,21 @@ class ServingBuckets:
         b = next((b for b in batches if b >= rows), batches[-1])
         return b, seqs[0], self.prefills[(b, seqs[0])]
 
-    def warmup(self, decode_inputs: Mapping[int, Mapping] | None = None) -> float:
+    def warmup(self, state_inputs: Callable[[object], Mapping | None] | None = None) -> float:
         """Warm every bucket up now, off the request path: compile it (one warm-up run on seeded inputs)
         and capture its CUDA graph (on a GPU), largest first (by_size), so that the graphs captured later
-        reuse the first's memory in the shared pool. `decode_inputs`: decode rows -> the inputs to capture
-        that decode bucket on (an engine's own caches, which become the graph's buffers; never run). A
-        decode bucket without them is compiled, not captured: a graph captured on seeded caches would hold
-        a KV cache of its own; it captures at its second run, on the caches it is given.
-        Returns the seconds it took."""
+        reuse the first's memory in the shared pool. `state_inputs(session)`: for a bucket with caches
+        updated in place (the decode step, a prefill into the cache), the inputs to warm it up and capture
+        it on (an engine's own caches, which become the graph's buffers), or None. Such a bucket without
+        them is compiled, not captured: a graph captured on seeded caches would hold a KV cache of its own;
+        it captures at its second run, on the caches it is given. Returns the seconds it took."""
         import time
 
-        given = dict(decode_inputs or {})
         t = time.perf_counter()
-        rows = {id(s): b for b, s in self.decodes.items()}
         for s in self.by_size():
-            decode = id(s) in rows
-            inputs = given.get(rows[id(s)]) if decode else None
-            capture = not decode or inputs is not None
+            stateful = bool(s.state)
+            inputs = state_inputs(s) if stateful and state_inputs is not None else None
+            capture = not stateful or inputs is not None
             if s.compile_report is None and (s._compiled() or (capture and s._graph_replays())):
                 s.compile(inputs, capture=capture)
             elif capture and s._graph_replays():

@@ -4,12 +4,16 @@
 
 For each batch bucket B it writes
 - `prefill_b{B}_s{S}/`: one per prompt-length bucket S (default: powers of two from 16 up to
-  max_len, and max_len): input_ids [B, S], logits_index [B] -> logits [B, 1, V],
-  past_key_values_{l}_{0|1} [B, Hkv, S, D]. Prompts are right-padded to S: causal attention keeps
-  every real token from seeing the pads, so no mask input is needed; logits_index is each row's
-  last real token, the one position whose logits the engine samples from, so the output
-  projection runs on B rows, not B x S, and no [B, S, V] tensor is made (at a 128k vocabulary,
-  8 x 2048 positions of bf16 logits would be 4 GiB);
+  max_len, and max_len): input_ids [B, S], logits_index [B], cache_row [B],
+  past_key_values_{l}_{0|1} [R, Hkv, max_len, D] -> logits [B, 1, V] and the caches with each
+  prompt's keys/values written into its row cache_row[b] at positions 0..S-1 (the same names: in-place
+  state). R = max(batches): the engine's one KV cache, whose first rows the decode step takes. Prompts
+  are right-padded to S: causal attention keeps every real token from seeing the pads, so no mask
+  input is needed; logits_index is each row's last real token, the one position whose logits the
+  engine samples from, so the output projection runs on B rows, not B x S, and no [B, S, V] tensor is
+  made (at a 128k vocabulary, 8 x 2048 positions of bf16 logits would be 4 GiB); and no [B, Hkv, S, D]
+  caches are returned to be copied into the engine's (per layer, as large as the prompt's share of
+  the KV cache);
 - `decode_b{B}/`: ONE decode step on a static cache of max_len positions: input_ids [B, 1],
   cache_position [B], past_key_values_{l}_{0|1} [B, Hkv, max_len, D] -> logits [B, 1, V] and the
   caches updated at each row's position (the same names: in-place state, fastpipe.runtime.state).
@@ -64,8 +68,8 @@ def build_serving_set(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     for b in batches:
         built[f"decode_b{b}"] = build_hf(model_dir, tp=tp, pp=pp, batch=b, seq_len=1, max_len=max_len, dtype=dtype)
         for s in lens:
-            built[f"prefill_b{b}_s{s}"] = build_hf(model_dir, tp=tp, pp=pp, batch=b, seq_len=s, past_len=0,
-                                                   dtype=dtype, last_logits=True)
+            built[f"prefill_b{b}_s{s}"] = build_hf(model_dir, tp=tp, pp=pp, batch=b, seq_len=s, max_len=max_len,
+                                                   cache_rows=batches[-1], dtype=dtype, last_logits=True)
     paths = [built[k].save(out / k, style=style) for k in sorted(built)]
     for name in SIDE_FILES:
         src, dst = model_dir / name, out / name

@@ -8,9 +8,10 @@
 
 One worker thread owns the sessions. Between decode steps it admits waiting requests into free
 rows of the decode bucket (`batch` rows, default the largest built): newcomers are prefilled
-together in the smallest fitting prefill bucket (right-padded), their caches copied into their
-rows (KVState), and their first token sampled from the prefill's logits. Logits and caches are
-assembled on the device of the decode step's logits (`engine.device`: on a GPU they never cross to
+together in the smallest fitting prefill bucket (right-padded), which writes their keys and values
+straight into their rows of the engine's cache (KVState; an older set's prefill returns caches that
+are copied there), and their first token is sampled from the prefill's logits. Logits (and an older
+prefill's caches) are assembled on the device of the decode step's logits (`engine.device`: on a GPU they never cross to
 the host; only each step's sampled ids do), and the requests' generators live there. Then one decode step
 runs every row at its own position (cache_position), writing the caches in place; each active
 row samples its next token (fastpipe.generation.sampling, the request's own generator) and
@@ -33,8 +34,8 @@ from typing import Iterator, Sequence
 import torch
 
 from fastpipe.errors import FastpipeError, InputError, RunError
-from fastpipe.generation.buckets import LOGITS_INDEX, ServingBuckets, last_logits_only
-from fastpipe.generation.kv_state import KVState
+from fastpipe.generation.buckets import CACHE_ROW, LOGITS_INDEX, ServingBuckets, last_logits_only, writes_cache
+from fastpipe.generation.kv_state import KVState, cache_rows
 from fastpipe.generation.sampling import SamplingParams, sample
 from fastpipe.model_io import assemble_outputs
 
@@ -128,7 +129,15 @@ class Engine:
             raise InputError(f"batch: expected one of the decode buckets {rows}, found {batch}")
         self.batch = batch if batch is not None else rows[-1]
         self.decode = self.buckets.decodes[self.batch]
-        self.kv = KVState(self.decode)
+        # the prefills into the cache write rows of one cache of R rows (the largest batch built); the decode
+        # step takes its first `batch`
+        into = [s for s in self.buckets.prefills.values() if writes_cache(s)]
+        rows_wanted = sorted({cache_rows(s) for s in into})
+        if len(rows_wanted) > 1 or (rows_wanted and rows_wanted[0] < self.batch):
+            raise InputError(f"serving set \"{self.buckets.folder}\": expected prefills writing into one cache of at "
+                             f"least {self.batch} rows (the decode batch), found caches of {rows_wanted} rows")
+        self.kv = KVState(self.decode, rows=rows_wanted[0] if rows_wanted else None)
+        self._prefill_caches = {id(s): self.kv.inputs_of(s) for s in into}      # checked here, once
         self.max_len, self.vocab = self.buckets.max_len, self.buckets.vocab
         self.longest_prompt = self.buckets.longest_prompt
         self.eos = frozenset(_eos_ids(self.buckets.folder) if eos_token_id == "auto" else _as_ids(eos_token_id))
@@ -157,9 +166,18 @@ class Engine:
         unless warmup=False."""
         with self._busy:
             t = time.perf_counter()
-            self.buckets.warmup(decode_inputs={self.batch: self._step_inputs([])})
+            self.buckets.warmup(state_inputs=self._warmup_inputs)
             self.warmup_seconds = time.perf_counter() - t
         return self.warmup_seconds
+
+    def _warmup_inputs(self, session):
+        """The inputs a bucket with state warms up and is captured on: the engine's own caches (the decode
+        step: every row free, token 0 at position 0; a prefill: pad tokens into row 0: nobody's yet)."""
+        if session is self.decode:
+            return self._step_inputs([])
+        if id(session) in self._prefill_caches:
+            return self._prefill_inputs(session, [])
+        return None
 
     # ------------------------------------------------------------------ callers
     def submit(self, prompt, *, max_new_tokens: int, sampling: SamplingParams | None = None,
@@ -275,29 +293,58 @@ class Engine:
         return out
 
     def _admit(self, reqs: list[Request]) -> None:
-        """Prefill the newcomers (grouped into prefill buckets), copy their caches into free rows, and
-        emit each one's first token."""
+        """Prefill the newcomers (grouped into prefill buckets) into free rows, and emit each one's first
+        token."""
         while reqs:
             b, s, sess = self.buckets.prefill_for(len(reqs), max(len(r.prompt) for r in reqs))
             group = [r for r in reqs if len(r.prompt) <= s][:b]
             reqs = [r for r in reqs if r not in group]
-            ids = torch.zeros((b, s), dtype=torch.int64)                   # right-padded [b, s]
-            for i, r in enumerate(group):
-                ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
-            ins = {"input_ids": ids}
-            rows_only = last_logits_only(sess)      # logits [b, 1, V] at logits_index, else [b, s, V]
-            if rows_only:                           # each row's last real token (pad rows: 0)
-                ins[LOGITS_INDEX] = torch.tensor([len(r.prompt) - 1 for r in group] + [0] * (b - len(group)))
-            out = sess.run_model(**ins, output_device=self.device)    # logits, caches [b, Hkv, s, D]
-            last = torch.stack([out["logits"][i, 0 if rows_only else len(r.prompt) - 1]
-                                for i, r in enumerate(group)])                          # [n, V]
+            rows = [k for k, row in enumerate(self.rows) if row is None][:len(group)]
+            if id(sess) in self._prefill_caches:         # writes the prompts into their rows (in place)
+                outs = sess.run(self._prefill_inputs(sess, list(zip(rows, group))))
+                last = assemble_outputs(sess.pipeline, outs, only=("logits",), device=self.device)["logits"]
+                last = last[:len(group), 0]                                                      # [n, V]
+            else:                                        # an older set's: returns caches, copied into the rows
+                last, out = self._prefill_returning_caches(sess, b, s, group)
+                for k, (row, _) in enumerate(zip(rows, group)):
+                    self.kv.admit(row, out, k)
             gens = [r.sampling.generator(last.device) for r in group]
             first = sample(last, [r.sampling for r in group], gens).tolist()
-            for i, r in enumerate(group):
-                row = self.rows.index(None)
-                self.kv.admit(row, out, i)
-                self.rows[row] = _Row(r, len(r.prompt), first[i], gens[i])
-                self._emitted(row, first[i])
+            for k, (row, r) in enumerate(zip(rows, group)):
+                self.rows[row] = _Row(r, len(r.prompt), first[k], gens[k])
+                self._emitted(row, first[k])
+
+    def _prefill_inputs(self, sess, placed) -> dict:
+        """A prefill into the cache's pipeline inputs for `placed` [(row, request)]: prompts right-padded to
+        the bucket's length, each one's last real token, its row; pad rows (and a warm-up's, with nothing
+        placed) point at the first prompt's row (row 0 without one) with token 0: the prefill writes the
+        first batch row naming a cache row, so they write nothing of their own. The caches as they are."""
+        meta = sess.pipeline.metadata
+        b, s = meta.tensors_inputs["input_ids"].shape
+        ids = torch.zeros((b, s), dtype=torch.int64)                     # right-padded [b, s]
+        index = torch.zeros((b,), dtype=torch.int64)                     # [b]
+        rows = torch.full((b,), placed[0][0] if placed else 0, dtype=torch.int64)    # [b]
+        for i, (row, r) in enumerate(placed):
+            ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
+            index[i], rows[i] = len(r.prompt) - 1, row
+        model = {"input_ids": ids, LOGITS_INDEX: index, CACHE_ROW: rows}
+        inputs = {n: model[sl.origin][tuple(slice(a, e) for a, e in sl.placements)].to(sess.slot_devices[sl.device])
+                  for n, sl in meta.slices_inputs.items() if sl.origin in model}
+        return {**inputs, **self._prefill_caches[id(sess)]}
+
+    def _prefill_returning_caches(self, sess, b: int, s: int, group):
+        """An older set's prefill: (each prompt's logits at its last token [n, V], caches origin -> [b, Hkv, s, D])."""
+        ids = torch.zeros((b, s), dtype=torch.int64)                     # right-padded [b, s]
+        for i, r in enumerate(group):
+            ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
+        ins = {"input_ids": ids}
+        rows_only = last_logits_only(sess)          # logits [b, 1, V] at logits_index, else [b, s, V]
+        if rows_only:                               # each row's last real token (pad rows: 0)
+            ins[LOGITS_INDEX] = torch.tensor([len(r.prompt) - 1 for r in group] + [0] * (b - len(group)))
+        out = sess.run_model(**ins, output_device=self.device)    # logits, caches [b, Hkv, s, D]
+        last = torch.stack([out["logits"][i, 0 if rows_only else len(r.prompt) - 1]
+                            for i, r in enumerate(group)])                          # [n, V]
+        return last, out
 
     def _step_inputs(self, live) -> dict:
         """The decode step's pipeline inputs: the live rows' tokens and positions (free rows: token 0 at

@@ -1,14 +1,22 @@
-"""The KV cache of one decode bucket: allocated once, updated in place by every decode step.
+"""The engine's KV cache: allocated once, written in place by the prefills and every decode step.
 
-    kv = KVState(decode_session)                 # zeros, one tensor per pipeline cache input (per slot)
-    kv.admit(row, prefill_caches, i, length)     # a prefilled prompt's caches into a row
-    outs = decode_session.run({**step_inputs, **kv.tensors})   # state_in_place: writes into kv.tensors
+    kv = KVState(decode_session, rows=R)         # zeros, one tensor per cache input of the decode (per slot)
+    outs = decode_session.run({**step_inputs, **kv.tensors})    # state_in_place: writes into kv.tensors
+    outs = prefill.run({**prompt_inputs, **kv.inputs_of(prefill)})   # a prefill into the cache (cache_row)
+    kv.admit(row, prefill_caches, i)             # an older prefill's returned caches copied into a row
 
-The tensors are the decode pipeline's own cache inputs (on tensor-parallel pipelines, each rank's
-slice of the KV heads), so a step hands them over as they are: no slicing, no assembling, no
-allocation. A prefill's caches ([B, Hkv, S, D], assembled at the model level) are copied into a
-row at positions 0..S-1; a right-padded prompt leaves stale keys past its length, which no token
-sees (each attends to positions <= its own) and decode steps overwrite.
+Each tensor is [R, Hkv_slot, M, D]: R rows (the serving set's prefills write into R cache rows, the
+largest batch it was built for; default: the decode step's batch B <= R) of which the decode step
+gets the first B (`tensors`: views made once, so a captured CUDA graph keeps its buffers). On
+tensor-parallel pipelines each rank's slice of the KV heads is its own tensor, so a step hands them
+over as they are: no slicing, no assembling, no allocation.
+
+Prompts come in two ways. A prefill into the cache (fastpipe.builder.hf.trace: cache_row [B] and the
+caches [R, Hkv, M, D], state in place) writes each prompt's keys/values into its row itself:
+`inputs_of(session)` gives it the whole tensors under its own input names. An older prefill returns
+caches [B', Hkv, S, D] (assembled at the model level), which `admit` copies into a row at positions
+0..S-1. Either way a right-padded prompt leaves stale keys past its length, which no token sees (each
+attends to positions <= its own) and decode steps overwrite.
 """
 from __future__ import annotations
 
@@ -20,29 +28,69 @@ from fastpipe import dtypes
 from fastpipe.errors import InputError
 
 
+def _where(session, name: str) -> str:
+    return f"{session.pipeline.name}: metadata.tensor_slices.inputs[\"{name}\"]"
+
+
+def cache_rows(session) -> int | None:
+    """The rows of the static caches a prefill writes into (its cache inputs' dim 0), None for a session
+    without state inputs."""
+    ins = session.pipeline.metadata.tensors_inputs
+    rows = {ins[session.pipeline.metadata.slices_inputs[n].origin].shape[0] for n in session.state}
+    return rows.pop() if len(rows) == 1 else None
+
+
 class KVState:
-    def __init__(self, session):
+    def __init__(self, session, rows: int | None = None):
         p = session.pipeline
-        self.slices: dict[str, tuple[str, tuple]] = {}     # pipeline input -> (origin, placements)
-        self.tensors: dict[str, torch.Tensor] = {}
+        batch = None
+        self.slices: dict[str, tuple[str, tuple]] = {}     # decode input -> (origin, placements)
+        self.full: dict[str, torch.Tensor] = {}            # decode input -> [R, Hkv_slot, M, D]
+        self.tensors: dict[str, torch.Tensor] = {}         # decode input -> full[:B], the decode step's
+        self._keys: dict[tuple, str] = {}                  # (origin, heads, positions, dims, device) -> decode input
         for name in session.state:
             s = p.metadata.slices_inputs[name]
             full = p.metadata.tensors_inputs[s.origin].shape            # [B, Hkv, M, D]
             if s.placements[0] != (0, full[0]) or s.placements[2] != (0, full[2]):
-                raise InputError(f"metadata.tensor_slices.inputs[\"{name}\"].placements: expected the whole batch and "
+                raise InputError(f"{_where(session, name)}.placements: expected the whole batch and "
                                  f"all positions of {s.origin}, found {[list(x) for x in s.placements]}")
             info = p.tensors[name]
+            batch = info.shape[0]
+            n_rows = batch if rows is None else rows
+            if n_rows < batch:
+                raise InputError(f"rows: expected at least the decode step's batch ({batch}), found {n_rows}")
             device = session.slot_devices[s.device]
-            self.tensors[name] = torch.zeros(info.shape, dtype=dtypes.to_torch(info.dtype), device=device)
+            t = torch.zeros((n_rows, *info.shape[1:]), dtype=dtypes.to_torch(info.dtype), device=device)
+            self.full[name] = t
+            self.tensors[name] = t if n_rows == batch else t[:batch]
             self.slices[name] = (s.origin, s.placements)
+            self._keys[(s.origin, tuple(s.placements[1:]), str(device))] = name
         if not self.tensors:
             raise InputError(f"{p.name}: expected cache inputs updated in place (a static-cache decode pipeline), found none")
+        self.rows = next(iter(self.full.values())).shape[0]
+
+    def inputs_of(self, session) -> dict[str, torch.Tensor]:
+        """A prefill into the cache's state inputs (its own names) -> the whole cache tensors, matched by
+        origin, the slot's heads and device; one that does not fit them is refused by name."""
+        p = session.pipeline
+        out = {}
+        for name in session.state:
+            s = p.metadata.slices_inputs[name]
+            key = (s.origin, tuple(s.placements[1:]), str(session.slot_devices[s.device]))
+            mine = self._keys.get(key)
+            if mine is None or s.placements[0] != (0, self.rows) or p.tensors[name].shape != self.full[mine].shape:
+                want = self.full[mine].shape if mine is not None else "a cache slice of the decode step's"
+                raise InputError(f"{_where(session, name)}: expected the engine's cache {list(want) if mine else want} "
+                                 f"({self.rows} rows, the decode step's heads and positions), found "
+                                 f"{list(p.tensors[name].shape)} of {s.origin} at {[list(x) for x in s.placements]}")
+            out[name] = self.full[mine]
+        return out
 
     def admit(self, row: int, caches: Mapping[str, torch.Tensor], i: int) -> None:
-        """Row `row` takes the caches of prefill row `i` (caches: origin -> [B', Hkv, S, D])."""
+        """Row `row` takes the caches of an older prefill's row `i` (caches: origin -> [B', Hkv, S, D])."""
         for name, (origin, pl) in self.slices.items():
             src = caches[origin][i, pl[1][0]:pl[1][1], :, pl[3][0]:pl[3][1]]     # [Hkv_slot, S, D]
-            self.tensors[name][row, :, :src.shape[1]].copy_(src)
+            self.full[name][row, :, :src.shape[1]].copy_(src)
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        return sum(t.nbytes for t in self.full.values())
