@@ -288,14 +288,21 @@ class Session:
         """Per device (its name): the plan's predicted peak ("predicted_peak_bytes": the slots' most
         intermediates alive at once, "activation_bytes", plus their constants, "constant_bytes") and, with
         the cuda processor, "measured_peak_bytes" (torch.cuda.max_memory_allocated since the processor was
-        made or `runner.reset_peak_memory()`). fastpipe.runtime.stream_issue.format_memory_report prints it."""
+        made or `runner.reset_peak_memory()`). The region processor with state_in_place writes the updated
+        state into the caller's tensors: those outputs count nothing (the other processors compute them,
+        then copy them in). fastpipe.runtime.stream_issue.format_memory_report prints it."""
         measured = getattr(self._processor, "memory_report", None)
         if measured is not None:
             return measured()
+        from fastpipe.lower.lower import peak_bytes
         from fastpipe.runtime.stream_issue import planned_memory
 
         program = self.program
-        return planned_memory(program, {s: self.slot_devices[s] for s in program.slots if program.steps[s]})
+        peak = None
+        if self.processor == "region" and self._in_place:
+            written = frozenset(self._in_place.values())
+            peak = {s: peak_bytes(self.pipeline, program.steps[s], in_place=written) for s in program.slots}
+        return planned_memory(program, {s: self.slot_devices[s] for s in program.slots if program.steps[s]}, peak)
 
     def __enter__(self) -> "Session":
         return self

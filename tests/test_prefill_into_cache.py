@@ -140,6 +140,24 @@ def test_region_processor_writes_the_prompts_into_the_callers_cache(checkpoints,
         assert not torch.equal(inputs[i][2, :, :S], before[i][2, :, :S]) and torch.equal(inputs[i][1], before[i][1]), i
 
 
+def test_the_plan_counts_no_cache_the_region_processor_writes_in_place(built):
+    """memory_report: with state_in_place the region processor writes the caches into the caller's tensors,
+    so the plan's activations drop by up to their bytes; the processors that copy them in count them."""
+    from fastpipe.lower import tensor_bytes
+
+    path = built("llama", 2)
+
+    def activations(**kw):
+        with fastpipe.load(path, **kw) as s:
+            return sum(r["activation_bytes"] for r in s.memory_report().values()), s
+
+    plain, s = activations(processor="region")
+    in_place, _ = activations(processor="region", state_in_place=True)
+    state = sum(tensor_bytes(s.pipeline, o) for o in s.state.values())
+    assert plain - state <= in_place < plain
+    assert activations(processor="reference", state_in_place=True)[0] == activations(processor="reference")[0]
+
+
 def test_metadata_pairs_the_caches(checkpoints, built):
     model = checkpoints["llama"][1]
     layers, _, hkv, hd = attention_dims("llama", model.config)

@@ -29,7 +29,8 @@ Buffers. ``peak_bytes[slot]``: walk the slot's steps; each step first allocates 
 outputs (shape x itemsize), the running total is compared with the maximum, then the
 step's ``frees`` are released. Pipeline inputs and constants are not counted (they are
 owned by the caller and the weight store); pipeline outputs are (they are produced here
-and kept). ``constant_bytes[slot]``: the bytes of the distinct constants read on the slot.
+and kept), except, in ``peak_bytes(p, steps, in_place=...)``, outputs a processor writes
+into their inputs (state in place: fastpipe.runtime.region_state). ``constant_bytes[slot]``: the bytes of the distinct constants read on the slot.
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def lower(checked: Checked) -> Program:
                     for i, (kind, sid, group) in enumerate(raw[slot]))
         for slot in slots
     }
-    peak = {slot: _peak(p, steps[slot]) for slot in slots}
+    peak = {slot: peak_bytes(p, steps[slot]) for slot in slots}
     const = {slot: sum(tensor_bytes(p, t) for t in _constants_read(p, steps[slot])) for slot in slots}
     return Program(slots, steps, groups, peak, const, tuple(p.input_names), tuple(p.output_names))
 
@@ -117,10 +118,12 @@ def _read_on(p: Pipeline, slot: str, t: str, consumer: str, where, groups) -> in
                           f"slot \"{slot}\" (or by a comm group with a member there), found slot \"{c_slot}\"")
 
 
-def _peak(p: Pipeline, steps: tuple[Step, ...]) -> int:
+def peak_bytes(p: Pipeline, steps: tuple[Step, ...], *, in_place=frozenset()) -> int:
+    """The most bytes of intermediates alive at once over one slot's steps (module docstring); the
+    tensors in `in_place` are written into memory the caller owns, so they count nothing."""
     live = peak = 0
     for st in steps:
-        live += sum(tensor_bytes(p, t) for t in st.writes)
+        live += sum(tensor_bytes(p, t) for t in st.writes if t not in in_place)
         peak = max(peak, live)
         live -= sum(tensor_bytes(p, t) for t in st.frees)
     return peak

@@ -378,15 +378,18 @@ def unflatten_chunks(flat: Mapping[str, Any], chunks: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------- memory
-def planned_memory(program: Program, lane_devices: Mapping[str, Any]) -> dict[str, dict]:
+def planned_memory(program: Program, lane_devices: Mapping[str, Any],
+                   peak: Mapping[str, int] | None = None) -> dict[str, dict]:
     """Per device (its str): the plan's predicted peak bytes, the sum over the slots on it of
-    program.peak_bytes (intermediates alive at once, one micro-batch) and constant_bytes.
+    program.peak_bytes (intermediates alive at once, one micro-batch; or `peak`, per slot, where given)
+    and constant_bytes.
     -> {device: {"slots": (...), "activation_bytes": int, "constant_bytes": int, "predicted_peak_bytes": int}}"""
     out: dict[str, dict] = {}
+    peak = program.peak_bytes if peak is None else peak
     for slot, dev in lane_devices.items():
         r = out.setdefault(str(dev), {"slots": (), "activation_bytes": 0, "constant_bytes": 0})
         r["slots"] += (slot,)
-        r["activation_bytes"] += program.peak_bytes.get(slot, 0)
+        r["activation_bytes"] += peak.get(slot, 0)
         r["constant_bytes"] += program.constant_bytes.get(slot, 0)
     for r in out.values():
         r["predicted_peak_bytes"] = r["activation_bytes"] + r["constant_bytes"]
