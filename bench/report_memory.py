@@ -33,9 +33,11 @@ memory  A random Llama-family checkpoint (bench.generation_cases.make_model; --l
         --vocab), built with tp=2 (build_hf) at a decode shape (batch 1, 1 token over --past=128
         cached: past_len=128), a prefill shape (batch 1, --seq=64 tokens, past_len=0: it also
         returns the KV cache) and the same prefill as a serving set builds it (last_logits: it takes
-        logits_index and returns one position's logits, [1, 1, V] instead of [1, S, V]; a line after
-        the table gives its plan activations, and on a GPU its run's own and peak reserved memory,
-        over the full-logits prefill's). On a GPU, both slots on the one device, for the cuda processor with
+        logits_index and returns one position's logits, [1, 1, V] instead of [1, S, V]; cache_rows:
+        it writes the prompt's keys/values into a row of a static cache of --seq + --past positions,
+        the caller's, state_in_place, instead of returning them; a line after the table gives its
+        plan activations, and on a GPU its run's own and peak reserved memory, over the full-logits
+        prefill's). On a GPU, both slots on the one device, for the cuda processor with
         cuda_graph=True and False (fx steps eager) and the region processor (cuda_graph=True,
         compile per --compile): load, inputs placed on the GPU by the caller, Session.compile()
         (warm-up run; captures the graph where there is one), empty_cache, reset of the peak
@@ -408,11 +410,18 @@ class Models:
                  self.pipeline("decode", batch=1, seq_len=1, past_len=a.past)),
                 ("prefill", f"prefill (batch 1, seq {a.seq}), logits of every position",
                  self.pipeline("prefill", batch=1, seq_len=a.seq, past_len=0)),
-                ("serving_prefill", f"serving prefill (batch 1, seq {a.seq}), logits of the last token",
-                 self.pipeline("serving_prefill", batch=1, seq_len=a.seq, past_len=0, last_logits=True))]
+                ("serving_prefill", f"serving prefill (batch 1, seq {a.seq}), logits of the last token, "
+                                    f"caches written into a static cache of {a.seq + a.past} positions",
+                 self.pipeline("serving_prefill", batch=1, seq_len=a.seq, max_len=a.seq + a.past, cache_rows=1,
+                               last_logits=True))]
 
 
 # ---------------------------------------------------------------------------------- section: memory
+# load options a shape runs with, as the serving engine runs it: the prefill writes its caches into the
+# engine's (the caller's) tensors
+SHAPE_OPTIONS = {"serving_prefill": dict(state_in_place=True)}
+
+
 def plan_of(report: dict, device: torch.device) -> dict:
     r = report.get(str(device))
     if r is None:                      # one entry per device: take the only one
@@ -427,7 +436,7 @@ def measure_plan(path: Path, shape: str, label: str, kw: dict) -> dict:
     sess = fastpipe.load(path, device_map=all_slots(path, torch.device("cpu")), store=WeightStore(), **kw)
     try:
         plan = plan_of(sess.memory_report(), torch.device("cpu"))
-        return {"section": "memory", "shape": shape, "processor": label, "device": "cpu", **plan,
+        return {"section": "memory", "shape": shape, "processor": label, "device": "cpu", "options": dict(kw), **plan,
                 "measured": None, "describe": sess.describe(),
                 "note": "plan only (measuring needs a GPU)"}
     finally:
@@ -519,6 +528,7 @@ def section_memory(args, device: torch.device, models: Models, progress=lambda r
     rows = []
     for kind, shape, path in models.shapes():
         for label, kw in variants:
+            kw = dict(kw, **SHAPE_OPTIONS.get(kind, {}))
             try:
                 row = measure_run(path, shape, label, kw, device) if cuda else measure_plan(path, shape, label, kw)
             except Exception as e:  # noqa: BLE001 - recorded, the other rows still run

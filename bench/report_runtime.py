@@ -29,8 +29,9 @@ Variants on a GPU:
                                          the engine runs it (state in place, outputs aliased): the
                                          fastpipe side of the unsplit static-cache rows
   fastpipe serving prefill (last token's prefill only: the serving set's prefill bucket (logits_index in,
-  logits), region compiled + replay      the last token's logits [B, 1, V] out, and the caches), as the
-                                         engine runs it (outputs aliased): against the best full-logits
+  logits), region compiled + replay      the last token's logits [B, 1, V] out, each prompt's keys and
+                                         values written into its row of a static cache, cache_row, state
+                                         in place), as the engine runs it (outputs aliased): against the best full-logits
                                          fastpipe row (what skipping [B, S, V] saves) and the unsplit
                                          rows with logits_to_keep=1 (the same work)
   unsplit compiled, last token's logits  prefill only: the unsplit model (DynamicCache) with
@@ -276,9 +277,10 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
     if step == "prefill":
         fastpipe_row(SERVING_PREFILL_GPU if dev.type == "cuda" else SERVING_PREFILL_CPU,
                      lambda: serving_prefill(folder, out.parent / f"{out.name}_last", host, dev),
-                     dict(processor="region", compile=True, alias_outputs=True),
+                     dict(processor="region", compile=True, state_in_place=True, alias_outputs=True),
                      dev, store, check_last, timed, rows,
-                     note="the serving set's prefill: logits_index in, the last token's logits out, outputs aliased")
+                     note="the serving set's prefill: logits_index in, the last token's logits out, the prompts "
+                          "written into their cache rows in place, outputs aliased")
         progress()
     unsplit_rows(args, model, ids, past, check, timed, dev, rows, progress)
     if step == "prefill":
@@ -350,16 +352,23 @@ def on_device(path: Path, model_inputs: dict, dev):
 
 
 def serving_prefill(folder: Path, out: Path, host: dict, dev):
-    """The serving set's prefill bucket (fastpipe.generation.build: past_len=0, last_logits: logits_index
-    [B] in, the logits there [B, 1, V] and the caches out) on the case's prompts, which fill the bucket:
-    each row's index is its last token. Returns (path, Pipeline, inputs on dev)."""
+    """The serving set's prefill bucket (fastpipe.generation.build: last_logits, cache_rows: logits_index [B]
+    in, the logits there [B, 1, V] out, each prompt's keys/values written into its row cache_row[b] of a
+    static cache, here of B rows x S positions, in place) on the case's prompts, which fill the bucket:
+    each row's index is its last token, row b goes to cache row b. Returns (path, Pipeline, inputs on dev)."""
     import torch
 
     from fastpipe.builder.hf.build import build_hf
+    from fastpipe.dtypes import to_torch
+    from fastpipe.format import read_pipeline
 
     batch, seq = host["input_ids"].shape
-    path = build_hf(folder, tp=2, batch=batch, seq_len=seq, past_len=0, last_logits=True).save(out)
-    return on_device(path, {"input_ids": host["input_ids"], "logits_index": torch.full((batch,), seq - 1)}, dev)
+    path = build_hf(folder, tp=2, batch=batch, seq_len=seq, max_len=seq, cache_rows=batch, last_logits=True).save(out)
+    meta = read_pipeline(path).metadata.tensors_inputs
+    caches = {n: torch.zeros(t.shape, dtype=to_torch(t.dtype)) for n, t in meta.items() if n.startswith("past_key_values_")}
+    return on_device(path, {"input_ids": host["input_ids"], "logits_index": torch.full((batch,), seq - 1),
+                            "cache_row": torch.arange(batch), **caches}, dev)
+
 
 
 def unsplit_last_rows(model, ids, check, timed, dev, rows: list[Row], progress=lambda: None) -> None:

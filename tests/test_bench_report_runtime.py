@@ -57,6 +57,8 @@ def test_report_runtime_quick_cpu_prefill_has_the_serving_prefill_and_its_baseli
     rows = {row["variant"]: row for row in case["rows"]}
     assert {SERVING_PREFILL_CPU, UNSPLIT_LAST[0], "fastpipe region compiled"} <= set(rows)
     assert UNSPLIT_LAST[1] not in rows                           # reduce-overhead: on a GPU only
+    # the serving set's prefill as the engine runs it: the prompts written into their cache rows in place
+    assert "state tensors updated in place" in " ".join(rows[SERVING_PREFILL_CPU]["notes"])
     for name in (SERVING_PREFILL_CPU, UNSPLIT_LAST[0]):
         assert rows[name]["error"] == "" and rows[name]["check"].startswith("ok"), (name, rows[name])
         assert rows[name]["median_ms"] > 0
