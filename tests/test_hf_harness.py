@@ -159,6 +159,18 @@ def test_static_cache_trace_ops_are_documented(ckpt, key):
     assert {"aten.index_put.default", "aten.full.default"} <= seen
 
 
+@pytest.mark.parametrize("key", ["gpt2", "llama_gqa_4_2"])
+def test_prefill_into_cache_trace_ops_are_documented(ckpt, key):
+    """The prefill into rows of a static cache (max_len, cache_rows) adds the first-equal-row dedup
+    (eq, argmax) to the op set (its numerics against the HF model: tests/test_prefill_into_cache.py)."""
+    model_dir, _ = ckpt(key)
+    model, config, family = load_skeleton(model_dir)
+    ff = traced_forward(model, family, config, batch=B, seq_len=S, max_len=S + P, cache_rows=B + 1, last_logits=True)
+    seen = _check_graph(trace_fake(ff, _weights(model_dir, model)))
+    SEEN_OPS.update(seen)
+    assert {"aten.index_put.default", "aten.eq.Tensor", "aten.argmax.default", "aten.clamp.default"} <= seen
+
+
 LAST_CASES = [("gpt2", 0), ("gpt2", None), ("llama_gqa_4_2", 0), ("llama_gqa_8_2_tied", P), ("qwen2", 0)]
 
 
