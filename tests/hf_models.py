@@ -27,6 +27,17 @@ def make_checkpoint(family: str, folder: Path, seed: int = 0):
     return save_random_checkpoint(CONFIGS[family](), folder, seed=seed).eval()
 
 
+def skeleton_params(folder: Path, dtype=None):
+    """(skeleton model, config, family, its parameters as empty tensors plus its non-persistent buffers):
+    what trace_fake needs to trace a checkpoint folder's model without reading a weight."""
+    from fastpipe.builder.hf.load import load_skeleton, skeleton_buffers
+
+    model, config, family = load_skeleton(folder, dtype=dtype)
+    params = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in model.named_parameters()}
+    params.update(skeleton_buffers(model))
+    return model, config, family, params
+
+
 def hf_reference(model, family: str, inputs: dict, past: list | None):
     """The unsplit Hugging Face model's own forward (and updated cache) for original-level inputs."""
     with torch.no_grad():

@@ -17,13 +17,12 @@ import torch
 
 import fastpipe
 from fastpipe.builder.hf.build import build_hf
-from fastpipe.builder.hf.load import load_skeleton, skeleton_buffers
 from fastpipe.builder.hf.trace import (
     ATEN_OPS, attention_dims, call_targets, flat_signature, trace_fake, traced_forward,
 )
 from fastpipe.errors import BuildError
 from fastpipe.runtime.state import state_pairs
-from tests.hf_models import CONFIGS, make_checkpoint
+from tests.hf_models import CONFIGS, make_checkpoint, skeleton_params
 
 
 def run_model_inputs(session, model_inputs: dict) -> dict:
@@ -205,9 +204,7 @@ def test_flat_signature_with_cache_rows():
 @pytest.mark.parametrize("family", ("gpt2", "llama"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rows_trace_ops_are_documented(checkpoints, family, dtype):
-    model, config, fam = load_skeleton(checkpoints[family][0], dtype=dtype)
-    params = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in model.named_parameters()}
-    params.update(skeleton_buffers(model))
+    model, config, fam, params = skeleton_params(checkpoints[family][0], dtype=dtype)
     seen: set[str] = set()
     for last in (False, True):
         ff = traced_forward(model, fam, config, batch=2, seq_len=3, max_len=8, cache_rows=3, last_logits=last)

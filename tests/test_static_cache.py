@@ -17,13 +17,12 @@ import torch
 
 import fastpipe
 from fastpipe.builder.hf.build import build_hf
-from fastpipe.builder.hf.load import load_skeleton, skeleton_buffers
 from fastpipe.builder.hf.trace import (
     ATEN_OPS, attention_dims, call_targets, flat_signature, trace_fake, traced_forward,
 )
 from fastpipe.errors import BuildError
 from fastpipe.runtime.state import state_pairs
-from tests.hf_models import CONFIGS, make_checkpoint
+from tests.hf_models import CONFIGS, make_checkpoint, skeleton_params
 
 B, M = 3, 12
 FAMILIES = ("gpt2", "llama")
@@ -214,9 +213,7 @@ def test_producer_style_static_pipeline_runs_the_same(checkpoints, built, tmp_pa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_static_trace_ops_are_documented(checkpoints, family, dtype):
     """As tests/test_hf_harness.py for the other forms: every traced target is in ATEN_OPS (and aten)."""
-    model, config, fam = load_skeleton(checkpoints[family][0], dtype=dtype)
-    params = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in model.named_parameters()}
-    params.update(skeleton_buffers(model))
+    model, config, fam, params = skeleton_params(checkpoints[family][0], dtype=dtype)
     seen: set[str] = set()
     for S in (1, 3):
         ff = traced_forward(model, fam, config, batch=2, seq_len=S, max_len=8)
