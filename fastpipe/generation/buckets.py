@@ -84,7 +84,9 @@ class ServingBuckets:
         self.store = store or WeightStore()
         ro = load_kwargs.get("run_options")
         self.graph_pool = (ro.graph_pool if ro is not None else load_kwargs.get("graph_pool")) or GraphPool()
-        load_kwargs = self._with(load_kwargs, graph_pool=self.graph_pool, alias_outputs=True)
+        # state in place: the decode step and the prefills into the cache update the engine's caches (a bucket
+        # without state, an older set's prefill, runs as usual)
+        load_kwargs = self._with(load_kwargs, graph_pool=self.graph_pool, alias_outputs=True, state_in_place=True)
         self.decodes: dict[int, object] = {}
         self.prefills: dict[tuple[int, int], object] = {}
         for path in paths:
@@ -99,11 +101,9 @@ class ServingBuckets:
                                  + ", ".join(sorted(p.metadata.tensors_inputs)))
             ids = p.metadata.tensors_inputs["input_ids"].shape
             if kind == "decode":
-                self.decodes[ids[0]] = load(p, store=self.store, **self._with(load_kwargs, state_in_place=True))
+                self.decodes[ids[0]] = load(p, store=self.store, **load_kwargs)
             else:
-                into = CACHE_ROW in p.metadata.tensors_inputs
-                self.prefills[(ids[0], ids[1])] = load(p, store=self.store,
-                                                       **(self._with(load_kwargs, state_in_place=True) if into else load_kwargs))
+                self.prefills[(ids[0], ids[1])] = load(p, store=self.store, **load_kwargs)
         if not self.decodes or not self.prefills:
             raise InputError(f"serving set \"{self.folder}\": expected at least one prefill and one decode pipeline, "
                              f"found {len(self.prefills)} prefill and {len(self.decodes)} decode")

@@ -321,11 +321,10 @@ class Engine:
         first batch row naming a cache row, so they write nothing of their own. The caches as they are."""
         meta = sess.pipeline.metadata
         b, s = meta.tensors_inputs["input_ids"].shape
-        ids = torch.zeros((b, s), dtype=torch.int64)                     # right-padded [b, s]
+        ids = _right_padded([r for _, r in placed], b, s)                 # [b, s]
         index = torch.zeros((b,), dtype=torch.int64)                     # [b]
         rows = torch.full((b,), placed[0][0] if placed else 0, dtype=torch.int64)    # [b]
         for i, (row, r) in enumerate(placed):
-            ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
             index[i], rows[i] = len(r.prompt) - 1, row
         model = {"input_ids": ids, LOGITS_INDEX: index, CACHE_ROW: rows}
         inputs = {n: model[sl.origin][tuple(slice(a, e) for a, e in sl.placements)].to(sess.slot_devices[sl.device])
@@ -334,10 +333,7 @@ class Engine:
 
     def _prefill_returning_caches(self, sess, b: int, s: int, group):
         """An older set's prefill: (each prompt's logits at its last token [n, V], caches origin -> [b, Hkv, s, D])."""
-        ids = torch.zeros((b, s), dtype=torch.int64)                     # right-padded [b, s]
-        for i, r in enumerate(group):
-            ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
-        ins = {"input_ids": ids}
+        ins = {"input_ids": _right_padded(group, b, s)}
         rows_only = last_logits_only(sess)          # logits [b, 1, V] at logits_index, else [b, s, V]
         if rows_only:                               # each row's last real token (pad rows: 0)
             ins[LOGITS_INDEX] = torch.tensor([len(r.prompt) - 1 for r in group] + [0] * (b - len(group)))
@@ -387,6 +383,14 @@ class Engine:
             if row is not None and row.req is r:
                 self.rows[k] = None
         r._finish(reason, error)
+
+
+def _right_padded(reqs: list[Request], b: int, s: int) -> torch.Tensor:
+    """The requests' prompts as rows of a [b, s] int64 tensor, right-padded (and pad rows) with token 0."""
+    ids = torch.zeros((b, s), dtype=torch.int64)
+    for i, r in enumerate(reqs):
+        ids[i, :len(r.prompt)] = torch.tensor(r.prompt)
+    return ids
 
 
 def _prompt_ids(prompt, vocab: int) -> list[int]:

@@ -32,12 +32,11 @@ def _where(session, name: str) -> str:
     return f"{session.pipeline.name}: metadata.tensor_slices.inputs[\"{name}\"]"
 
 
-def cache_rows(session) -> int | None:
-    """The rows of the static caches a prefill writes into (its cache inputs' dim 0), None for a session
-    without state inputs."""
-    ins = session.pipeline.metadata.tensors_inputs
-    rows = {ins[session.pipeline.metadata.slices_inputs[n].origin].shape[0] for n in session.state}
-    return rows.pop() if len(rows) == 1 else None
+def cache_rows(session) -> int:
+    """The rows of the static caches a prefill writes into (its first cache input's dim 0; inputs_of
+    checks every one against the engine's cache)."""
+    meta = session.pipeline.metadata
+    return meta.tensors_inputs[meta.slices_inputs[next(iter(session.state))].origin].shape[0]
 
 
 class KVState:

@@ -90,9 +90,9 @@ VERSION_DEPENDENT_OPS = frozenset({"aten.lift_fresh_copy.default"})
 ATEN_OPS = frozenset({
     "aten._softmax.default", "aten._to_copy.default", "aten._unsafe_view.default", "aten.add.Tensor",
     "aten.addmm.default", "aten.alias.default", "aten.arange.default", "aten.bitwise_and.Tensor",
-    "aten.bmm.default", "aten.cat.default", "aten.clamp.default", "aten.clone.default", "aten.cos.default",
-    "aten.detach.default",
-    "aten.argmax.default", "aten.embedding.default", "aten.eq.Tensor", "aten.expand.default", "aten.full.default", "aten.ge.Scalar",
+    "aten.argmax.default", "aten.bmm.default", "aten.cat.default", "aten.clamp.default", "aten.clone.default",
+    "aten.cos.default", "aten.detach.default", "aten.embedding.default", "aten.eq.Tensor", "aten.expand.default",
+    "aten.full.default", "aten.ge.Scalar",
     "aten.gelu.default", "aten.index.Tensor", "aten.index_put.default", "aten.le.Tensor",
     "aten.lift_fresh_copy.default", "aten.mean.dim",
     "aten.mm.default", "aten.mul.Tensor", "aten.native_layer_norm.default", "aten.neg.default",
@@ -425,6 +425,17 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
         if missing:
             raise BuildError(f"params[{missing[0]!r}]: expected a tensor, found none ({len(missing)} missing)")
 
+    rows_model = _RowLogits(model) if sig.last_logits else None
+
+    def logits_of(ps, input_ids, cache, logits_index=None) -> torch.Tensor:
+        """The LM's logits over a DynamicCache-like `cache`: [B, S, V], or with last_logits [B, 1, V] at
+        logits_index (_RowLogits)."""
+        if rows_model is not None:
+            return torch.func.functional_call(rows_model, {f"lm.{n}": t for n, t in ps.items()}, (), {
+                "input_ids": input_ids, "logits_index": logits_index, "cache": cache})
+        return torch.func.functional_call(model, dict(ps), (), {
+            "input_ids": input_ids, cache_keyword(model): cache, "use_cache": True}).logits
+
     if family == "bert":
         def fn(ps, input_ids, attention_mask, token_type_ids):
             check(ps, (input_ids, attention_mask, token_type_ids))
@@ -433,19 +444,11 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
             res = (out.last_hidden_state,)
             return res + (out.pooler_output,) if pooler else res
     elif sig.cache_rows is not None:
-        rows_model = _RowLogits(model) if sig.last_logits else None
-
         def fn(ps, input_ids, *rest):
             check(ps, (input_ids, *rest))
             logits_index, cache_row, *past = rest if sig.last_logits else (None, *rest)
             cache = rows_cache(layers, past, cache_row)
-            if sig.last_logits:
-                logits = torch.func.functional_call(rows_model, {f"lm.{n}": t for n, t in ps.items()}, (), {
-                    "input_ids": input_ids, "logits_index": logits_index, "cache": cache})
-            else:
-                logits = torch.func.functional_call(model, dict(ps), (), {
-                    "input_ids": input_ids, cache_keyword(model): cache, "use_cache": True}).logits
-            res = [logits]
+            res = [logits_of(ps, input_ids, cache, logits_index)]
             for layer in cache.layers:
                 res += [layer.cache_keys, layer.cache_values]
             return tuple(res)
@@ -462,22 +465,12 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
             for layer in cache.layers:
                 res += [layer.keys, layer.values]
             return tuple(res)
-    elif sig.last_logits:
-        rows = _RowLogits(model)
-
-        def fn(ps, input_ids, logits_index, *past):
-            check(ps, (input_ids, logits_index, *past))
-            cache = flat_cache(layers, past)
-            logits = torch.func.functional_call(rows, {f"lm.{n}": t for n, t in ps.items()}, (),
-                                                {"input_ids": input_ids, "logits_index": logits_index, "cache": cache})
-            return (logits, *_cache_outputs(cache, past_len))
     else:
-        def fn(ps, input_ids, *past):
-            check(ps, (input_ids, *past))
+        def fn(ps, input_ids, *rest):
+            check(ps, (input_ids, *rest))
+            logits_index, *past = rest if sig.last_logits else (None, *rest)
             cache = flat_cache(layers, past)
-            out = torch.func.functional_call(model, dict(ps), (), {
-                "input_ids": input_ids, cache_keyword(model): cache, "use_cache": True})
-            return (out.logits, *_cache_outputs(cache, past_len))
+            return (logits_of(ps, input_ids, cache, logits_index), *_cache_outputs(cache, past_len))
 
     return FlatForward(fn, sig, params, non_persistent)
 
