@@ -73,10 +73,17 @@ class Session:
 
             check_cuda_devices(self.slot_devices)
         region = self.processor == "region"
+        from fastpipe.runtime.state import state_pairs
+
+        self.state = state_pairs(pipeline)       # input -> its updated output (fastpipe.runtime.state)
+        self._in_place = self.state if opts.state_in_place else {}
         # the region processor compiles whole regions; its steps stay eager (for locating failures)
         self._binder = Binder(pipeline, self.options, self.store, self.slot_devices,
                               compile=opts.compile and not region, compile_policy=opts.compile_policy)
-        program = bind(lower(self.checked), self.checked, self._binder, local)
+        # the cpu and cuda processors' steps write state in place where they can (bind); the region
+        # processor rewrites its stitched graphs, the reference runs the graphs as the file has them
+        steps_in_place = self._in_place if self.processor in ("cpu", "cuda") else None
+        program = bind(lower(self.checked), self.checked, self._binder, local, in_place=steps_in_place)
         self.fusion = fusion.analyze(self.checked, self.slot_devices, fuse, region=region, off_reason=off_reason)
         program = fusion.apply(program, self.fusion, self.checked, self._binder)
         if region:
@@ -84,10 +91,10 @@ class Session:
         check_program(program, self.checked)
         self.program = program
         self._input_devices = program.input_devices()
-        from fastpipe.runtime.state import state_pairs
+        from fastpipe.runtime.bind import state_written
 
-        self.state = state_pairs(pipeline)       # input -> its updated output (fastpipe.runtime.state)
-        self._in_place = self.state if opts.state_in_place else {}
+        # state outputs a step writes into its input tensor (cpu, cuda: fastpipe.runtime.bind; region: its own)
+        self._steps_write = state_written(program, steps_in_place) if steps_in_place else frozenset()
         self.compile_report = None
         self._nothing_to_compile = False
         self._binder.forget_constants()          # the steps hold their constants: the region processor's
@@ -103,7 +110,7 @@ class Session:
             from fastpipe.runtime.cuda_processor import CudaProcessor
 
             proc = CudaProcessor(self.program, cuda_graph=opts.cuda_graph, compile_policy=opts.compile_policy,
-                                 alias_outputs=opts.alias_outputs)
+                                 alias_outputs=opts.alias_outputs, state=self._in_place)
             if opts.graph_pool is not None:
                 proc.use_pool(opts.graph_pool)               # every chunk count's graph
             return proc
@@ -132,6 +139,9 @@ class Session:
         """One line: the processor and how it runs the Program (the region processor: regions, compiled
         or eager, replayed or not; the cuda processor: its streams, replayed or not)."""
         how = self._processor.describe() if self.processor in ("region", "cuda") else ""
+        if self.processor in ("cpu", "cuda") and self._in_place:
+            how += (", " if how else "") + (f"{len(self._in_place)} state tensors updated in place "
+                                            f"({len(self._steps_write)} by an in-place write)")
         return f"{self.processor} processor" + (f" ({how})" if how else "")
 
     @property
@@ -288,20 +298,19 @@ class Session:
         """Per device (its name): the plan's predicted peak ("predicted_peak_bytes": the slots' most
         intermediates alive at once, "activation_bytes", plus their constants, "constant_bytes") and, with
         the cuda processor, "measured_peak_bytes" (torch.cuda.max_memory_allocated since the processor was
-        made or `runner.reset_peak_memory()`). The region processor with state_in_place writes the updated
-        state into the caller's tensors: those outputs count nothing (the other processors compute them,
-        then copy them in). fastpipe.runtime.stream_issue.format_memory_report prints it."""
-        measured = getattr(self._processor, "memory_report", None)
-        if measured is not None:
-            return measured()
+        made or `runner.reset_peak_memory()`). With state_in_place, an updated state output written into
+        the caller's tensor counts nothing: every one on the region processor, those a step writes by an
+        in-place scatter on the cpu and cuda processors (`describe()` says how many; the rest are computed,
+        then copied in). fastpipe.runtime.stream_issue.format_memory_report prints it."""
         from fastpipe.lower.lower import peak_bytes
         from fastpipe.runtime.stream_issue import planned_memory
 
         program = self.program
-        peak = None
-        if self.processor == "region" and self._in_place:
-            written = frozenset(self._in_place.values())
-            peak = {s: peak_bytes(self.pipeline, program.steps[s], in_place=written) for s in program.slots}
+        written = (frozenset(self._in_place.values()) if self.processor == "region" and self._in_place
+                   else self._steps_write)
+        peak = {s: peak_bytes(self.pipeline, program.steps[s], in_place=written) for s in program.slots} if written else None
+        if self.processor == "cuda":
+            return self._processor.memory_report(peak)
         return planned_memory(program, {s: self.slot_devices[s] for s in program.slots if program.steps[s]}, peak)
 
     def __enter__(self) -> "Session":

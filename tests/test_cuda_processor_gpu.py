@@ -217,6 +217,43 @@ def test_steps_run_in_inference_mode_and_outputs_are_plain_results(graph):
     assert not torch.is_inference_mode_enabled()           # the caller's mode is left as it was
 
 
+# ---------------------------------------------------------------- state written in place
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("graph", [False, True])
+def test_state_in_place_writes_the_callers_caches_and_replays_on_them(tmp_path, graph, compile):
+    """A static-cache decode step (tp=2, both ranks' slots on cuda:0, a stream each) with
+    state_in_place: each step writing a layer's caches scatters into the caller's tensors (index_put_,
+    fastpipe.runtime.bind), and the replay is captured on those very tensors (they are the graph's
+    buffers: nothing copied in or out). Three steps equal the copying reference on the CPU."""
+    from fastpipe.builder.hf.build import build_hf
+    from tests.hf_models import make_checkpoint
+    from tests.test_state_in_place import START, step_inputs
+
+    make_checkpoint("llama", tmp_path / "ckpt", seed=21)
+    path = build_hf(tmp_path / "ckpt", tp=2, batch=2, seq_len=1, max_len=16).save(tmp_path / "out")
+    sess = on_gpu(path, cuda_graph=graph, compile=compile, compile_policy="raise", state_in_place=True)
+    ref = on_cpu(path)
+    p, pairs = sess.pipeline, sess.state
+    assert f"{len(pairs)} state tensors updated in place ({len(pairs)} by an in-place write)" in sess.describe()
+    kept = {i: t for i, t in step_inputs(p, START, seed=0).items() if i in pairs}     # the reference's (CPU)
+    caches = {i: t.cuda() for i, t in kept.items()}                                    # the caller's (GPU)
+    if graph:
+        sess.compile(step_inputs(p, START, seed=0, caches=caches))   # captured on the caller's caches
+        assert all(sess.runner.replay.static_in[i] is t for i, t in caches.items())
+    for step in range(3):
+        pos = [s_ + step for s_ in START]
+        ins = {n: t.cuda() for n, t in step_inputs(p, pos, seed=step + 1, caches=caches).items()}
+        out = sess.run(ins)
+        want = ref.run(step_inputs(p, pos, seed=step + 1, caches={i: t.clone() for i, t in kept.items()}))
+        for i, o in pairs.items():
+            assert out[o] is caches[i], f"step {step}: {o} is not the caller's {i}"
+        for n, w in want.items():
+            torch.testing.assert_close(out[n].cpu(), w, rtol=1e-4, atol=1e-4)
+        kept = {i: want[o] for i, o in pairs.items()}
+    if graph:
+        assert sess.runner.replay.replays == 3 and sess.runner.replay.captures == 1
+
+
 # ---------------------------------------------------------------- slots on two GPUs
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("name", ["two_stage_skip", "tp_mlp"])

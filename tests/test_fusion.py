@@ -408,3 +408,26 @@ def test_shapes_of_a_graph_with_unbound_external_constants():
     _annotate(decoded)
     mm = next(n for n in decoded.gm.graph.nodes if n.target is torch.ops.aten.mm.default)
     assert tuple(mm.meta["val"].shape) == (2, 4)
+
+
+@pytest.mark.parametrize("processor", ["cpu", "region"])
+def test_fused_steps_keep_their_state_written_in_place(tmp_path, processor):
+    """A step that writes a state (a KV cache) and ends in the fused matmul keeps the in-place write
+    (fastpipe.runtime.bind; the fused rest graph is rewritten as the unfused step was): the session
+    hands back the caller's cache tensor, updated, and equals the unfused copying path."""
+    needs_cpu_kernels()
+    path = sp_block(tmp_path, state=True)
+    sess = fastpipe.load(path, processor=processor, fuse="always", state_in_place=True)
+    assert [d.fused for d in sess.fusion] == [True, True]
+    assert sess.state == {"cache_0": "cache_new_0", "cache_1": "cache_new_1"}
+    assert "2 state tensors updated in place (2 by an in-place write)" in sess.describe()
+    plain = fastpipe.load(path, fuse="off")
+    for seed in (1, 2):
+        ins = random_inputs(sess, seed)
+        want = plain.run({k: v.clone() for k, v in ins.items()})
+        got = sess.run(ins)
+        assert got.keys() == want.keys()
+        for r in range(2):
+            assert got[f"cache_new_{r}"] is ins[f"cache_{r}"]
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5)

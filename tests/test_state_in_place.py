@@ -119,7 +119,7 @@ def test_no_pairs_without_updated_state(llama, tmp_path):
 
 # ---- run(...) with state_in_place ------------------------------------------------------------------
 
-RUNS = [("reference", False, 1), ("reference", False, 2), ("cpu", False, 1), ("cpu", False, 2),
+RUNS = [("reference", False, 1), ("reference", False, 2), ("cpu", False, 1), ("cpu", False, 2), ("cpu", True, 2),
         ("region", False, 1), ("region", False, 2), ("region", True, 1)]
 
 
@@ -135,11 +135,12 @@ def test_steps_in_place_equal_the_copying_path(static, processor, compile, tp):
     ptrs = {i: t.data_ptr() for i, t in state.items()}
     kept = clones(state)                                                           # the copying path's
     if compile:
-        sess.compile()
-        runs = [r for r in sess.runner.runs if r.compiled is not None]
-        assert runs and all(r.compiled.compiled for r in runs)
-        for r in runs:          # the compiled graph, even where warm-up timing preferred the eager one
-            r.fn = r.compiled
+        assert sess.compile().graphs and not sess.compile_report.eager
+        if processor == "region":
+            runs = [r for r in sess.runner.runs if r.compiled is not None]
+            assert runs and all(r.compiled.compiled for r in runs)
+            for r in runs:          # the compiled graph, even where warm-up timing preferred the eager one
+                r.fn = r.compiled
     for step in range(3):
         pos = [s + step for s in START]
         ins = step_inputs(p, pos, seed=step + 1, caches=state)
@@ -159,7 +160,7 @@ def test_steps_in_place_equal_the_copying_path(static, processor, compile, tp):
             else:
                 assert torch.equal(out[n], want[n]), f"step {step}: {n}"
         kept = {i: want[o] for i, o in pairs.items()}
-    if processor == "region":
+    if processor in ("region", "cpu"):
         n = len(pairs)
         assert f"{n} state tensors updated in place ({n} by an in-place write)" in sess.describe()
 
@@ -201,6 +202,84 @@ def test_region_writes_the_caches_natively(static, family, tmp_path):
     assert big == [] and len(in_place) == len(pairs)
     control, _ = big_writes(fastpipe.load(path, processor="region"))   # the profiler does see them
     assert sum("index_put" in n for n in control) >= len(pairs), control
+
+
+def step_code(sess) -> str:
+    return "\n".join(st.graph.code for ss in sess.program.steps.values() for st in ss if st.graph is not None)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_cpu_steps_write_the_caches_natively(static, compile, monkeypatch):
+    """On the cpu processor (and the cuda processor: the same bound steps), the step that writes a
+    layer's caches scatters into the caller's tensors (index_put_): what it returns is the input
+    tensor itself, so the session copies nothing in; the plan counts no cache. The reference
+    processor, the oracle, runs the graphs as the file has them."""
+    from fastpipe.runtime import state as state_mod
+
+    path = static(2)
+    seen = []
+    real = state_mod.write_back
+
+    def spy(inputs, outputs, pairs):
+        seen.append([outputs[o] is inputs[i] for i, o in pairs.items()])
+        return real(inputs, outputs, pairs)
+
+    monkeypatch.setattr(state_mod, "write_back", spy)
+    sess = fastpipe.load(path, processor="cpu", state_in_place=True, compile=compile, compile_policy="raise")
+    pairs = sess.state
+    code = step_code(sess)
+    assert code.count("torch.ops.aten.index_put_.default(") == len(pairs)
+    assert "torch.ops.aten.index_put.default(" not in code
+    if compile:
+        assert sess.compile().graphs and not sess.compile_report.eager
+    ref = fastpipe.load(path)
+    for step in range(2):
+        pos = [s + step for s in START]
+        ins = step_inputs(sess.pipeline, pos, seed=step)
+        want = ref.run(clones(ins))
+        seen.clear()
+        out = sess.run(ins)
+        assert seen == [[True] * len(pairs)], "a step's cache output was not its input tensor"
+        for n in want:
+            torch.testing.assert_close(out[n], want[n], rtol=0, atol=1e-5 * want[n].abs().max().item())
+
+    copying = fastpipe.load(path, processor="cpu")                   # without state_in_place: as the file
+    oracle = fastpipe.load(path, processor="reference", state_in_place=True)
+    for other in (copying, oracle):
+        code = step_code(other)
+        assert code.count("torch.ops.aten.index_put.default(") == len(pairs) and "aten.index_put_" not in code
+    seen.clear()
+    oracle.run(step_inputs(oracle.pipeline, START, seed=0))
+    assert seen == [[False] * len(pairs)]
+    region = fastpipe.load(path, processor="region", state_in_place=True)
+
+    def activations(s):
+        return sum(r["activation_bytes"] for r in s.memory_report().values())
+    cache_bytes = sum(t.numel() * t.element_size() for i, t in step_inputs(sess.pipeline, START, 0).items() if i in pairs)
+    assert activations(sess) == activations(region)
+    assert activations(copying) - activations(sess) >= cache_bytes // 2, (activations(copying), activations(sess))
+
+
+def test_a_state_input_read_by_two_steps_is_left_to_the_copy(static):
+    """A step may write a state input in place only when no other step reads it (the other step could
+    run after the write, on another thread or stream): bind's state_writers leaves such a pair out."""
+    import dataclasses
+
+    from fastpipe.runtime.bind import state_writers
+
+    sess = fastpipe.load(static(2), processor="cpu", state_in_place=True)
+    program, pairs = sess.program, sess.state
+    writers = state_writers(program, pairs)
+    assert sum(len(v) for v in writers.values()) == len(pairs)
+    inp = next(iter(pairs))
+    slot, ss = next((s, ss) for s, ss in program.steps.items() if any(inp in st.reads for st in ss))
+    k = next(i for i, st in enumerate(ss) if st.kind == "compute" and inp not in st.reads)
+    steps = list(ss)
+    steps[k] = dataclasses.replace(steps[k], reads=steps[k].reads + (inp,))       # a second reader
+    other = dataclasses.replace(program, steps={**program.steps, slot: tuple(steps)})
+    again = state_writers(other, pairs)
+    assert sum(len(v) for v in again.values()) == len(pairs) - 1
+    assert inp not in {other.steps[sl][i].reads[r] for (sl, i), v in again.items() for r, _ in v}
 
 
 @pytest.mark.parametrize("processor", ["reference", "cpu", "region"])
@@ -268,3 +347,52 @@ def test_disjoint_views_of_one_buffer_are_accepted(static):
     out = sess.run(ins)
     for k, n in enumerate(names):
         assert out[sess.state[n]] is ins[n] and torch.equal(buf[k], want[sess.state[n]])
+
+
+# ---- the graph rewrite (fastpipe.runtime.region_state) ----------------------------------------------
+
+def _scatter_graph(read_view_after: bool, single: bool):
+    """fx graph of (cache [4, 3], pos [1], v [1, 3]) -> cache.index_put((pos,), v) (and, unless single,
+    a read of the cache: a view of it taken before the scatter and read after it, or a plain sum before)."""
+    import torch.fx as fx
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    cache, pos, v = g.placeholder("cache"), g.placeholder("pos"), g.placeholder("v")
+    view = g.call_function(aten.slice.Tensor, (cache, 0, 0, 2))      # aliases the cache
+    early = None if read_view_after else g.call_function(aten.sum.default, (view,))
+    new = g.call_function(aten.index_put.default, (cache, [pos], v))
+    late = g.call_function(aten.sum.default, (view,)) if read_view_after else early
+    g.output(new if single else (late, new))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+@pytest.mark.parametrize("read_view_after, single", [(False, False), (True, False), (False, True)],
+                         ids=["read-before", "view-read-after", "one-output"])
+def test_write_in_place_only_where_every_read_of_the_state_comes_first(read_view_after, single):
+    """The scatter becomes index_put_ on the input only if nothing reads the input (or a view of it)
+    after it: a view taken before and read after would see the new rows. Otherwise copy_rest=False leaves
+    the graph as it was; copy_rest=True (the region processor) copies the update in at the end."""
+    from fastpipe.runtime.region_state import write_in_place, writes_in_place
+
+    out_idx = 0 if single else 1
+    cache, pos, v = torch.zeros(4, 3), torch.tensor([2]), torch.ones(1, 3)
+    want = _scatter_graph(read_view_after, single)(cache.clone(), pos, v)
+    gm = _scatter_graph(read_view_after, single)
+    done = write_in_place(gm, [(0, out_idx)], copy_rest=False)
+    given = cache.clone()
+    got = gm(given, pos, v)
+    got_new = got if single else got[out_idx]
+    want_new = want if single else want[out_idx]
+    assert torch.equal(got_new, want_new) and (single or torch.equal(got[0], want[0]))
+    if read_view_after:
+        assert done == [] and not writes_in_place(gm, 0, out_idx) and "aten.index_put_." not in gm.code
+        assert torch.equal(given, cache), "the input was written"
+        gm = _scatter_graph(read_view_after, single)
+        assert write_in_place(gm, [(0, out_idx)]) == []                 # copy_rest: a copy_ at the end
+        given = cache.clone()
+        got = gm(given, pos, v)
+        assert "aten.copy_" in gm.code and torch.equal(given, want_new) and torch.equal(got[0], want[0])
+    else:
+        assert done == [(0, out_idx)] and writes_in_place(gm, 0, out_idx)
+        assert got_new is given and torch.equal(given, want_new)

@@ -2,6 +2,7 @@
 
     program = bind(lower(checked), checked, binder)     # every slot
     program = bind(lower(checked), checked, binder, local_slots={"0"})   # dist: this rank's slots
+    program = bind(lower(checked), checked, binder, in_place=pairs)     # state written in place (cpu, cuda)
 
 Each step gets its slot's device and its constants (read once per process by the weight
 store, and copied to a device once per store: sessions over one store share the copy; a GPU's
@@ -9,6 +10,16 @@ constants go there together, through pinned staging buffers: Binder.prefetch); e
 compute step its callable (the fx graph on the slot's device, compiled when asked; a registered
 handler for other kinds); each comm group with a member to bind its plain-torch callable
 (fastpipe.runtime.execute.group_fn).
+
+State in place (`in_place`: state input -> its updated output, fastpipe.runtime.state, given by the
+cpu and cuda processors with state_in_place): a compute step that is the only reader of a state
+input and writes its update gets a copy of its graph where the update is an in-place scatter into
+that input (fastpipe.runtime.region_state, copy_rest=False), so a decode step writes the new
+positions into the caller's cache instead of making a new one for the session to copy in.
+`state_written(program, in_place)` names the outputs so written (fused steps included: their
+graphs get the same rewrite, fastpipe.runtime.fuse); the others are copied in as before. The
+reference processor keeps every graph as the file says (it is the oracle); the region processor
+rewrites its stitched graphs itself.
 """
 from __future__ import annotations
 
@@ -36,7 +47,9 @@ class Binder:
         self.compile, self.compile_policy = compile, compile_policy
         self.compiled: dict[str, object] = {}     # supertask id -> CompiledGraph (when compiling)
         self._const: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self._gms: dict[tuple[int, torch.device], torch.nn.Module] = {}
+        self._gms: dict[tuple, torch.nn.Module] = {}     # (id(decoded graph), device[, in-place pairs]) -> placed
+        self._written: dict[tuple, tuple] = {}           # (id, device, pairs) -> the pairs written in place
+        self.in_place_of: dict[str, tuple] = {}         # supertask id -> ((state input, its update), ...) asked
 
     def constants_for(self, names, device: torch.device) -> dict[str, torch.Tensor]:
         return {n: self.constant(n, device) for n in names if self.p.tensors[n].is_constant}
@@ -69,8 +82,11 @@ class Binder:
         """Drop the load-time cache (the bound steps hold what they use; passes may have replaced some)."""
         self._const.clear()
 
-    def graph_fn(self, sid: str, g: DecodedGraph | None, device: torch.device):
-        """(fn, graph): the step's callable, and the eager fx.GraphModule it runs (None for handler kinds)."""
+    def graph_fn(self, sid: str, g: DecodedGraph | None, device: torch.device,
+                 in_place: tuple[tuple[int, int], ...] = ()):
+        """(fn, graph): the step's callable, and the eager fx.GraphModule it runs (None for handler kinds);
+        `in_place`: (read index, write index) of each state input and its update that the step may write
+        into the input (the module docstring)."""
         st = self.p.supertasks[sid]
         if st.kind != "fx":
             text, _ = payload_text(self.p, sid, self.opts)
@@ -83,10 +99,16 @@ class Binder:
             gm.eval()
             self._gms[key] = gm
         gm = eager = self._gms[key]
+        written = ()
+        if in_place:
+            eager, written = self._in_place_graph(key, gm, in_place)
+            gm = eager
         if self.compile:
             from fastpipe.runtime.compile import compiled_graph
 
             text, where = payload_text(self.p, sid, self.opts)
+            if written:                          # another graph than the payload's: its own compiled graph
+                text += f"\n# fastpipe: state written in place, (input, output) indices {list(written)}"
             gm = compiled_graph(text, gm, device, f"supertasks[\"{sid}\"] on slot \"{self.p.supertasks[sid].device}\"",
                                 self.compile_policy)
             self.compiled[sid] = gm
@@ -96,6 +118,21 @@ class Binder:
             return out if isinstance(out, (tuple, list)) else (out,)
 
         return run, eager
+
+    def _in_place_graph(self, key: tuple, gm, pairs: tuple) -> tuple:
+        """(graph, pairs written in place): a copy of the placed graph `gm` whose state updates among
+        `pairs` are in-place scatters into their inputs (the same constants), or `gm` itself where none is."""
+        import copy
+
+        from fastpipe.runtime.region_state import write_in_place
+
+        k = key + (pairs,)
+        if k not in self._gms:
+            cand = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))    # shares gm's constants
+            cand.eval()
+            done = tuple(write_in_place(cand, list(pairs), copy_rest=False))
+            self._gms[k], self._written[k] = (cand, done) if done else (gm, ())
+        return self._gms[k], self._written[k]
 
     def _bind_external(self, sid: str, g: DecodedGraph) -> None:
         _, where = payload_text(self.p, sid, self.opts)
@@ -111,9 +148,10 @@ class Binder:
         bind_external(g, tensors)
 
 
-def bind(program: Program, checked, binder: Binder, local_slots=None) -> Program:
+def bind(program: Program, checked, binder: Binder, local_slots=None, in_place=None) -> Program:
     """The Program with devices, constants and callables filled in (only `local_slots`' steps, and the
-    groups with a member there, when given)."""
+    groups with a member there, when given; state updates among `in_place` written into their inputs
+    where a step can: the module docstring)."""
     import dataclasses
 
     graphs = checked.graphs
@@ -125,18 +163,22 @@ def bind(program: Program, checked, binder: Binder, local_slots=None) -> Program
             wanted.setdefault(devices[slot], []).extend(n for st in program.steps[slot] for n in st.reads)
     for dev, names in wanted.items():
         binder.prefetch(names, dev)
+    writers = state_writers(program, in_place or {})
     steps = {}
     for slot, ss in program.steps.items():
         if slot not in local:
             steps[slot] = ss
             continue
         out, dev = [], devices[slot]
-        for st in ss:
+        for i, st in enumerate(ss):
             consts = binder.constants_for(st.reads, dev)
             fn = graph = None
             if st.kind == "compute":
                 g = graphs.get(st.supertask)
-                fn, graph = binder.graph_fn(st.supertask, g, dev)
+                pairs = writers.get((slot, i), ())
+                if pairs:
+                    binder.in_place_of[st.supertask] = tuple((st.reads[r], st.writes[w]) for r, w in pairs)
+                fn, graph = binder.graph_fn(st.supertask, g, dev, pairs)
             out.append(dataclasses.replace(st, device=dev, constants=consts, fn=fn, graph=graph))
         steps[slot] = tuple(out)
     fns = {}
@@ -144,3 +186,38 @@ def bind(program: Program, checked, binder: Binder, local_slots=None) -> Program
         if any(s in local for s, _ in members):
             fns[g] = group_fn(checked.groups[g], [devices[s] for s, _ in members])
     return dataclasses.replace(program, steps=steps, group_fns=fns)
+
+
+def state_writers(program: Program, pairs) -> dict[tuple[str, int], tuple[tuple[int, int], ...]]:
+    """(slot, step index) -> ((read index, write index), ...): the state inputs among `pairs` (input ->
+    its updated output) that one compute step alone reads, once, and whose update it writes."""
+    readers: dict[str, list] = {}
+    for slot, ss in program.steps.items():
+        for i, st in enumerate(ss):
+            for n in st.reads:
+                readers.setdefault(n, []).append((slot, i))
+    out: dict = {}
+    for inp, o in pairs.items():
+        if len(readers.get(inp, ())) != 1:
+            continue
+        slot, i = readers[inp][0]
+        st = program.steps[slot][i]
+        if st.kind == "compute" and o in st.writes:
+            out.setdefault((slot, i), []).append((st.reads.index(inp), st.writes.index(o)))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def state_written(program: Program, pairs) -> frozenset[str]:
+    """The state outputs among `pairs` (input -> its updated output) that a step of the bound `program`
+    writes into its input tensor (its graph's output is an in-place scatter into that input)."""
+    from fastpipe.runtime.region_state import writes_in_place
+
+    out = set()
+    for ss in program.steps.values():
+        for st in ss:
+            if st.graph is None:
+                continue
+            for inp, o in pairs.items():
+                if inp in st.reads and o in st.writes and writes_in_place(st.graph, st.reads.index(inp), st.writes.index(o)):
+                    out.add(o)
+    return frozenset(out)

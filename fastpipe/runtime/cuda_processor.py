@@ -67,7 +67,7 @@ def check_cuda_devices(slot_devices) -> None:
 
 class CudaProcessor:
     def __init__(self, program: Program, *, cuda_graph: bool = True, compile_policy: str = "warn",
-                 alias_outputs: bool = False):
+                 alias_outputs: bool = False, state=None):
         slot_devices = {slot: program.steps[slot][0].device for slot in program.slots if program.steps[slot]}
         check_cuda_devices(slot_devices)
         self.program = program
@@ -81,6 +81,7 @@ class CudaProcessor:
                           f"{len(self.devices)} GPUs, so this run is issued eagerly on streams", RuntimeWarning, stacklevel=3)
         self.device = self.devices[0]
         self.compile_policy, self.alias_outputs = compile_policy, alias_outputs
+        self.state = dict(state or {})     # state_in_place pairs: one-chunk runs capture on the caller's state tensors
         self.replays: dict[int, GraphReplay] = {}              # chunks -> the replay of a k-chunk run
         self.graph_pool = None                                 # use_pool(): every replay's memory pool
         # every replay and every eager run issues onto the same lanes: one at a time (a capture would
@@ -105,7 +106,8 @@ class CudaProcessor:
         if r is None:
             whole_run = functools.partial(weak_method(self._whole_run), chunks=chunks)   # no cycle: see release
             r = self.replays[chunks] = GraphReplay(whole_run, self.device, policy=self.compile_policy,
-                                                   alias_outputs=self.alias_outputs, turns=self.turns)
+                                                   alias_outputs=self.alias_outputs, turns=self.turns,
+                                                   state=self.state if chunks == 1 else None)
             if self.graph_pool is not None:
                 r.use_pool(self.graph_pool)
         return r
@@ -156,15 +158,16 @@ class CudaProcessor:
         for d in self.devices:
             torch.cuda.reset_peak_memory_stats(d)
 
-    def memory_report(self) -> dict[str, dict]:
+    def memory_report(self, peak=None) -> dict[str, dict]:
         """Per device (str): {"slots", "measured_peak_bytes" (torch.cuda.max_memory_allocated since the
         construction or reset_peak_memory(): every tensor of this process on that device counts, the
         caller's inputs included; a replay allocates nothing, so a peak taken over replays counts the
         graph's live buffers but not the intermediates inside its pool, which the capture itself
         allocated: torch.cuda.memory_reserved shows those), "predicted_peak_bytes" (the plan: the
         sum of program.peak_bytes, one micro-batch's intermediates, and constant_bytes of the slots
-        there), "activation_bytes", "constant_bytes"}. format_memory_report(report) prints it."""
-        report = planned_memory(self.program, self.slot_devices)
+        there; `peak`: per slot, in place of program.peak_bytes, as Session.memory_report gives it), "activation_bytes",
+        "constant_bytes"}. format_memory_report(report) prints it."""
+        report = planned_memory(self.program, self.slot_devices, peak)
         for d in self.devices:
             report[str(d)]["measured_peak_bytes"] = torch.cuda.max_memory_allocated(d)
         return report

@@ -488,6 +488,11 @@ def apply(program, decisions: list[Decision], checked, binder):
         if prefix is not None:
             _, _, x, a_name, b_name = prefix
             writes = tuple(w for w in writes if w != x) + (a_name, b_name)
+        state = [(reads.index(a), writes.index(b)) for a, b in binder.in_place_of.get(sid, ()) if a in reads and b in writes]
+        if state:                         # as bind made the unfused step: state updates written in place
+            from fastpipe.runtime.region_state import write_in_place
+
+            write_in_place(gm, state, copy_rest=False)
         steps[slot][i] = dataclasses.replace(st, fn=_graph_fn(gm, binder, sid, st.device), graph=gm, reads=reads,
                                              writes=writes)
     for slot, ss in steps.items():

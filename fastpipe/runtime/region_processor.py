@@ -145,7 +145,7 @@ class RegionProcessor:
 
         pairs = [(r.reads.index(i), r.writes.index(o)) for i, o in self.state.items()
                  if i in r.reads and o in r.writes]
-        return write_in_place(gm, pairs) if pairs else 0
+        return len(write_in_place(gm, pairs)) if pairs else 0
 
     def _rebinder(self, r: Region) -> Callable[[list], None]:
         """on_merge for region r's passes: the shard constants of each merged group become views of
