@@ -129,6 +129,11 @@ CPU_VARIANTS = [
 REPLAY, STREAMS = "fastpipe cuda, graph replay", "fastpipe cuda, eager streams"
 STATIC_STEP_GPU = "fastpipe static cache (the engine's decode step), region compiled + replay"
 STATIC_STEP_CPU = "fastpipe static cache (the engine's decode step), region compiled"
+# the same step on the processor of slots on several GPUs (a stream per slot; here both on one GPU) and on the
+# cpu processor (a thread per slot): each writes its caches in place too, in the step (fastpipe.runtime.bind)
+STATIC_STREAMS_GPU = "fastpipe static cache (the engine's decode step), cuda compiled + replay"
+STATIC_STREAMS_CPU = "fastpipe static cache (the engine's decode step), cpu processor eager"
+STATIC_STREAMS = {STATIC_STREAMS_GPU: STATIC_STEP_GPU, STATIC_STREAMS_CPU: STATIC_STEP_CPU}
 SERVING_PREFILL_GPU = "fastpipe serving prefill (last token's logits), region compiled + replay"
 SERVING_PREFILL_CPU = "fastpipe serving prefill (last token's logits), region compiled"
 SERVING_PREFILL = (SERVING_PREFILL_GPU, SERVING_PREFILL_CPU)
@@ -269,11 +274,17 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
         fastpipe_row(label, lambda: (path, pipeline, inputs), kw, dev, store, check, timed, rows)
         progress()
     if step == "decode":
-        fastpipe_row(STATIC_STEP_GPU if dev.type == "cuda" else STATIC_STEP_CPU,
-                     lambda: static_step(folder, out.parent / f"{out.name}_static", host, dev),
-                     dict(processor="region", compile=True, state_in_place=True, alias_outputs=True),
-                     dev, store, check, timed, rows, note="the serving set's decode step, state in place, outputs aliased")
-        progress()
+        built: dict = {}                  # one build for both rows; each row its own caches
+        gpu = dev.type == "cuda"
+        for label, kw in ((STATIC_STEP_GPU if gpu else STATIC_STEP_CPU,
+                           dict(processor="region", compile=True, state_in_place=True, alias_outputs=True)),
+                          (STATIC_STREAMS_GPU, dict(processor="cuda", compile=True, state_in_place=True,
+                                                    alias_outputs=True)) if gpu else
+                          (STATIC_STREAMS_CPU, dict(processor="cpu", state_in_place=True))):
+            fastpipe_row(label, lambda: static_step(folder, out.parent / f"{out.name}_static", host, dev, built),
+                         kw, dev, store, check, timed, rows,
+                         note="the serving set's decode step, state in place" + (", outputs aliased" if gpu else ""))
+            progress()
     if step == "prefill":
         fastpipe_row(SERVING_PREFILL_GPU if dev.type == "cuda" else SERVING_PREFILL_CPU,
                      lambda: serving_prefill(folder, out.parent / f"{out.name}_last", host, dev),
@@ -323,19 +334,23 @@ def fastpipe_row(label: str, make, kw: dict, dev, store, check, timed, rows: lis
         traceback.print_exc()
 
 
-def static_step(folder: Path, out: Path, host: dict, dev):
+def static_step(folder: Path, out: Path, host: dict, dev, built: dict | None = None):
     """The serving engine's decode step (fastpipe.generation.build: a static cache of exactly past + 1
     positions, written in place at cache_position), to run as the engine runs its buckets (region compiled,
     + replay on a GPU, state in place, outputs aliased): the fastpipe row to hold against the unsplit
     static-cache rows. Its caches hold the past; every call writes the new token's keys and values at the
-    same position. Returns (path, Pipeline, inputs on dev)."""
+    same position. `built`: a dict kept across calls, so that the pipeline is built once (each call makes
+    its own caches). Returns (path, Pipeline, inputs on dev)."""
     import torch
 
     from fastpipe.builder.hf.build import build_hf
 
     past = host["past_key_values"]
     batch, past_len = host["input_ids"].shape[0], past[0][0].shape[2]
-    path = build_hf(folder, tp=2, batch=batch, seq_len=1, max_len=past_len + 1).save(out)
+    built = {} if built is None else built
+    if "path" not in built:
+        built["path"] = build_hf(folder, tp=2, batch=batch, seq_len=1, max_len=past_len + 1).save(out)
+    path = built["path"]
     caches = [[torch.cat([t, torch.zeros_like(t[:, :, :1])], dim=2) for t in kv]   # [B, Hkv, past + 1, D]
               for kv in past]
     return on_device(path, {"input_ids": host["input_ids"], "cache_position": torch.full((batch,), past_len),
@@ -469,6 +484,10 @@ def verdicts(rows: list[Row], batch: int) -> dict:
         fast, slow = median(rows, aliased), median(rows, cloned)
         if slow and fast:
             out["aliased_outputs_gain"] = slow / fast
+    for streams_row, region_row in STATIC_STREAMS.items():
+        a, b = median(rows, streams_row), median(rows, region_row)
+        if a and b:
+            out.update(static_streams_vs_region=a / b, static_streams_row=streams_row)
     ok = [r for r in rows if r.samples and not r.check.startswith("MISMATCH")]
     ours = [r for r in ok if r.variant.startswith("fastpipe") and r.variant not in SERVING_PREFILL]
     theirs = [r for r in ok if r.variant in UNSPLIT_COMPILED]
@@ -512,6 +531,9 @@ def verdict_lines(v: dict) -> list[str]:
                    f"{v['grouped_copies_gain']:.2f}x faster")
     if "aliased_outputs_gain" in v:
         out.append(f"the replay handing out its output buffers vs cloning them: {v['aliased_outputs_gain']:.2f}x faster")
+    if "static_streams_vs_region" in v:
+        out.append(f"the engine's decode step on a processor of slots apart ({v['static_streams_row']}) / on the "
+                   f"region processor: {v['static_streams_vs_region']:.2f}x")
     if "best_vs_unsplit_compiled" in v:
         out.append(f"best fastpipe ({v['best_fastpipe']}) / best unsplit compiled ({v['best_unsplit_compiled']}): "
                    f"{v['best_vs_unsplit_compiled']:.2f}x (target <= 1.1x: "

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_report_runtime_quick_cpu(tmp_path):
     pytest.importorskip("transformers")
-    from bench.report_runtime import STATIC_STEP_CPU
+    from bench.report_runtime import STATIC_STEP_CPU, STATIC_STREAMS_CPU
 
     out = tmp_path / "runtime.json"
     r = subprocess.run([sys.executable, "bench/report_runtime.py", "--device", "cpu", "--quick", "--cases", "decode",
@@ -24,7 +24,7 @@ def test_report_runtime_quick_cpu(tmp_path):
     rows = {row["variant"]: row for row in doc["cases"][0]["rows"]}
     assert set(rows) == {"fastpipe region compiled", "fastpipe region eager", "fastpipe cpu processor eager",
                          "unsplit eager", "unsplit compiled", "unsplit static cache eager",
-                         "unsplit static cache compiled", STATIC_STEP_CPU}
+                         "unsplit static cache compiled", STATIC_STEP_CPU, STATIC_STREAMS_CPU}
     for name, row in rows.items():                 # bf16 rows against the unsplit model in float32
         assert row["error"] == "", (name, row["error"])
         assert row["check"].startswith("ok"), (name, row["check"])
@@ -40,6 +40,15 @@ def test_report_runtime_quick_cpu(tmp_path):
     assert v["best_vs_unsplit_compiled"] == pytest.approx(best["median_ms"] / base["median_ms"])
     assert doc["failed"] == [] and doc["not_run"] == []
     assert "best fastpipe" in r.stdout and "| fastpipe region compiled |" in r.stdout
+    # the engine's decode step on the cpu processor writes every cache in its step (fastpipe.runtime.bind)
+    import re
+
+    said = re.search(r"(\d+) state tensors updated in place \((\d+) by an in-place write\)",
+                     " ".join(rows[STATIC_STREAMS_CPU]["notes"]))
+    assert said and said.group(1) == said.group(2) and int(said.group(1)) > 0, rows[STATIC_STREAMS_CPU]["notes"]
+    assert v["static_streams_row"] == STATIC_STREAMS_CPU and v["static_streams_vs_region"] == pytest.approx(
+        rows[STATIC_STREAMS_CPU]["median_ms"] / rows[STATIC_STEP_CPU]["median_ms"])
+    assert "the engine's decode step on a processor of slots apart" in r.stdout
 
 
 def test_report_runtime_quick_cpu_prefill_has_the_serving_prefill_and_its_baseline(tmp_path):
@@ -215,15 +224,16 @@ def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_pa
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,   # sizes, timing for ages
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     seen, deadline = [], time.monotonic() + 300
-    while proc.poll() is None and time.monotonic() < deadline:     # until all 8 rows are set up: timing has begun
+    rows = 9           # decode on the CPU: 3 CPU variants, the engine's step on 2 processors, 4 unsplit rows
+    while proc.poll() is None and time.monotonic() < deadline:     # until every row is set up: timing has begun
         if out.exists():
             cases = json.loads(out.read_text())["cases"]
             if cases and cases[-1].get("partial") == "set-up":
                 seen.append(len(cases[-1]["rows"]))
-                if seen[-1] == 8:
+                if seen[-1] == rows:
                     break
         time.sleep(0.01)
-    if proc.poll() is not None or not seen or seen[-1] != 8:     # say why: the script's own output, if it ended
+    if proc.poll() is not None or not seen or seen[-1] != rows:     # say why: the script's own output, if it ended
         tail = proc.stdout.read()[-3000:] if proc.poll() is not None else "(still running: killed)"
         proc.kill()
         pytest.fail(f"rows set up as seen: {seen}; exit status {proc.poll()}; {tail}")
@@ -240,7 +250,7 @@ def test_interrupted_run_keeps_the_rows_it_set_up_and_the_samples_it_took(tmp_pa
     (case,) = doc["cases"]
     assert case["partial"] == "interrupted" and case["title"] == "decode step, batch 1, 1 token over 16 cached"
     assert doc["interrupted"].startswith("decode step, batch 1, 1 token over 16 cached: interrupted after ")
-    assert "with 8 rows set up and 8 timed" in doc["interrupted"] and doc["not_run"] == ["prefill batch 1"]
+    assert f"with {rows} rows set up and {rows} timed" in doc["interrupted"] and doc["not_run"] == ["prefill batch 1"]
     counts = [r["samples"] for r in case["rows"]]
     assert min(counts) >= 1 and max(counts) - min(counts) <= 1, counts     # interleaved rounds
     assert all(r["check"].startswith("ok") for r in case["rows"])

@@ -32,20 +32,21 @@ def test_runtime_table_on_a_gpu(tmp_path):
     doc, _ = _script("runtime", tmp_path, "--device", "cuda", "--quick", "--cases", "decode")
     (case,) = doc["cases"]
     rows = {r["variant"]: r for r in case["rows"]}
-    from bench.report_runtime import CUDA_VARIANTS, STATIC_STEP_GPU, UNSPLIT_COMPILED
+    from bench.report_runtime import CUDA_VARIANTS, STATIC_STEP_GPU, STATIC_STREAMS_GPU, UNSPLIT_COMPILED
 
     assert set(rows) == {v for v, _ in CUDA_VARIANTS} | {"unsplit eager", "unsplit static cache eager",
-                                                         *UNSPLIT_COMPILED, STATIC_STEP_GPU}
+                                                         *UNSPLIT_COMPILED, STATIC_STEP_GPU, STATIC_STREAMS_GPU}
     for name, row in rows.items():          # the unsplit compiled rows are torch's: one working is enough (below)
         if name.startswith("fastpipe") or name.endswith(" eager"):
             assert row["error"] == "" and row["check"].startswith("ok"), (name, row)
             assert row["median_ms"] > 0, name
     for name in ("fastpipe region compiled + replay", "fastpipe region compiled + replay, a copy per tensor",
-                 "fastpipe region compiled + replay, outputs aliased", STATIC_STEP_GPU):
+                 "fastpipe region compiled + replay, outputs aliased", STATIC_STEP_GPU, STATIC_STREAMS_GPU):
         assert any("replayed as one CUDA graph" in n for n in rows[name]["notes"]), rows[name]["notes"]
     v = case["verdicts"]
     assert {"replay_vs_eager_streams", "replay_target_met", "replay_vs_compiled_streams", "grouped_copies_gain",
-            "aliased_outputs_gain", "best_vs_unsplit_compiled"} <= set(v), v
+            "aliased_outputs_gain", "static_streams_vs_region", "best_vs_unsplit_compiled"} <= set(v), v
+    assert "state tensors updated in place" in " ".join(rows[STATIC_STREAMS_GPU]["notes"])
     assert doc["failed"] == [] and "interrupted" not in doc
 
 
