@@ -276,14 +276,15 @@ def run_case(args, step: str, batch: int, folder: Path, model, store, out: Path,
     if step == "decode":
         built: dict = {}                  # one build for both rows; each row its own caches
         gpu = dev.type == "cuda"
-        for label, kw in ((STATIC_STEP_GPU if gpu else STATIC_STEP_CPU,
-                           dict(processor="region", compile=True, state_in_place=True, alias_outputs=True)),
-                          (STATIC_STREAMS_GPU, dict(processor="cuda", compile=True, state_in_place=True,
-                                                    alias_outputs=True)) if gpu else
-                          (STATIC_STREAMS_CPU, dict(processor="cpu", state_in_place=True))):
+        region = (STATIC_STEP_GPU if gpu else STATIC_STEP_CPU,
+                  dict(processor="region", compile=True, state_in_place=True, alias_outputs=True))
+        apart = ((STATIC_STREAMS_GPU, dict(processor="cuda", compile=True, state_in_place=True, alias_outputs=True))
+                 if gpu else (STATIC_STREAMS_CPU, dict(processor="cpu", state_in_place=True)))
+        for label, kw in (region, apart):
             fastpipe_row(label, lambda: static_step(folder, out.parent / f"{out.name}_static", host, dev, built),
                          kw, dev, store, check, timed, rows,
-                         note="the serving set's decode step, state in place" + (", outputs aliased" if gpu else ""))
+                         note="the serving set's decode step, state in place"
+                              + (", outputs aliased" if kw.get("alias_outputs") else ""))
             progress()
     if step == "prefill":
         fastpipe_row(SERVING_PREFILL_GPU if dev.type == "cuda" else SERVING_PREFILL_CPU,

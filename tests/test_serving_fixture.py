@@ -31,16 +31,9 @@ def test_engine_on_the_cpu_processor_writes_its_caches_in_the_steps(monkeypatch)
     """processor="cpu" (a thread per slot, as the cuda processor runs slots on several GPUs with a stream
     each): every bucket's steps write the engine's caches themselves (fastpipe.runtime.bind), so no decode
     step or prefill hands back a new cache for the session to copy in, and the tokens are transformers'."""
-    from fastpipe.runtime import state as state_mod
+    from tests.test_state_in_place import spy_write_back
 
-    seen = []
-    real = state_mod.write_back
-
-    def spy(inputs, outputs, pairs):
-        seen.append(all(outputs[o] is inputs[i] for i, o in pairs.items()))
-        return real(inputs, outputs, pairs)
-
-    monkeypatch.setattr(state_mod, "write_back", spy)
+    seen = spy_write_back(monkeypatch)
     with Engine(SET, eos_token_id=None, compile=False, processor="cpu") as eng:
         buckets = eng.buckets.by_size()
         assert {b.processor for b in buckets} == {"cpu"}
@@ -49,7 +42,7 @@ def test_engine_on_the_cpu_processor_writes_its_caches_in_the_steps(monkeypatch)
             assert n and f"{n} state tensors updated in place ({n} by an in-place write)" in b.describe(), b.describe()
         seen.clear()
         assert _generate(eng) == EXPECTED["tokens"]
-    assert seen and all(seen), seen
+    assert seen and all(all(run) for run in seen), seen
 
 
 def test_committed_greedy_tokens_win_by_a_margin_no_device_rounding_can_flip(monkeypatch):

@@ -204,6 +204,22 @@ def test_region_writes_the_caches_natively(static, family, tmp_path):
     assert sum("index_put" in n for n in control) >= len(pairs), control
 
 
+def spy_write_back(monkeypatch) -> list:
+    """Record, per run with state_in_place, whether each state output handed to write_back is its input
+    tensor itself (written by the step: nothing to copy in); returns the list it appends to."""
+    from fastpipe.runtime import state as state_mod
+
+    seen = []
+    real = state_mod.write_back
+
+    def spy(inputs, outputs, pairs):
+        seen.append([outputs[o] is inputs[i] for i, o in pairs.items()])
+        return real(inputs, outputs, pairs)
+
+    monkeypatch.setattr(state_mod, "write_back", spy)
+    return seen
+
+
 def step_code(sess) -> str:
     return "\n".join(st.graph.code for ss in sess.program.steps.values() for st in ss if st.graph is not None)
 
@@ -214,17 +230,8 @@ def test_cpu_steps_write_the_caches_natively(static, compile, monkeypatch):
     layer's caches scatters into the caller's tensors (index_put_): what it returns is the input
     tensor itself, so the session copies nothing in; the plan counts no cache. The reference
     processor, the oracle, runs the graphs as the file has them."""
-    from fastpipe.runtime import state as state_mod
-
     path = static(2)
-    seen = []
-    real = state_mod.write_back
-
-    def spy(inputs, outputs, pairs):
-        seen.append([outputs[o] is inputs[i] for i, o in pairs.items()])
-        return real(inputs, outputs, pairs)
-
-    monkeypatch.setattr(state_mod, "write_back", spy)
+    seen = spy_write_back(monkeypatch)
     sess = fastpipe.load(path, processor="cpu", state_in_place=True, compile=compile, compile_policy="raise")
     pairs = sess.state
     code = step_code(sess)

@@ -30,7 +30,7 @@ outputs (shape x itemsize), the running total is compared with the maximum, then
 step's ``frees`` are released. Pipeline inputs and constants are not counted (they are
 owned by the caller and the weight store); pipeline outputs are (they are produced here
 and kept), except, in ``peak_bytes(p, steps, in_place=...)``, outputs a processor writes
-into their inputs (state in place: fastpipe.runtime.region_state). ``constant_bytes[slot]``: the bytes of the distinct constants read on the slot.
+into their inputs (state in place: fastpipe.runtime.region_state, fastpipe.runtime.bind). ``constant_bytes[slot]``: the bytes of the distinct constants read on the slot.
 """
 from __future__ import annotations
 

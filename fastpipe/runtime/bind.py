@@ -47,8 +47,8 @@ class Binder:
         self.compile, self.compile_policy = compile, compile_policy
         self.compiled: dict[str, object] = {}     # supertask id -> CompiledGraph (when compiling)
         self._const: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self._gms: dict[tuple, torch.nn.Module] = {}     # (id(decoded graph), device[, in-place pairs]) -> placed
-        self._written: dict[tuple, tuple] = {}           # (id, device, pairs) -> the pairs written in place
+        self._gms: dict[tuple[int, torch.device], torch.nn.Module] = {}
+        self._in_place_gms: dict[tuple, tuple] = {}      # (id, device, pairs) -> (graph, the pairs written in place)
         self.in_place_of: dict[str, tuple] = {}         # supertask id -> ((state input, its update), ...) asked
 
     def constants_for(self, names, device: torch.device) -> dict[str, torch.Tensor]:
@@ -98,11 +98,8 @@ class Binder:
             gm = placed_graph(g.gm, device)      # constants and device arguments on the slot's device
             gm.eval()
             self._gms[key] = gm
-        gm = eager = self._gms[key]
-        written = ()
-        if in_place:
-            eager, written = self._in_place_graph(key, gm, in_place)
-            gm = eager
+        gm, written = self._in_place_graph(key, self._gms[key], in_place) if in_place else (self._gms[key], ())
+        eager = gm
         if self.compile:
             from fastpipe.runtime.compile import compiled_graph
 
@@ -127,12 +124,12 @@ class Binder:
         from fastpipe.runtime.region_state import write_in_place
 
         k = key + (pairs,)
-        if k not in self._gms:
+        if k not in self._in_place_gms:
             cand = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))    # shares gm's constants
             cand.eval()
             done = tuple(write_in_place(cand, list(pairs), copy_rest=False))
-            self._gms[k], self._written[k] = (cand, done) if done else (gm, ())
-        return self._gms[k], self._written[k]
+            self._in_place_gms[k] = (cand, done) if done else (gm, ())
+        return self._in_place_gms[k]
 
     def _bind_external(self, sid: str, g: DecodedGraph) -> None:
         _, where = payload_text(self.p, sid, self.opts)

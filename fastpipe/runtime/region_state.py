@@ -25,10 +25,7 @@ _IN_PLACE = {aten.index_put.default: aten.index_put_.default}
 def write_in_place(gm: fx.GraphModule, pairs: list[tuple[int, int]], *, copy_rest: bool = True) -> list[tuple[int, int]]:
     graph = gm.graph
     order = {n: k for k, n in enumerate(graph.nodes)}
-    phs = [n for n in graph.nodes if n.op == "placeholder"]
-    out_node = next(n for n in graph.nodes if n.op == "output")
-    single = not isinstance(out_node.args[0], (tuple, list))       # a graph returning one tensor, not a tuple
-    outs = [out_node.args[0]] if single else list(out_node.args[0])
+    phs, out_node, outs, single = _ends(gm)
     native = []
     for ph_idx, out_idx in pairs:
         x, y = phs[ph_idx], outs[out_idx]
@@ -67,11 +64,17 @@ def _read_before(x: fx.Node, y: fx.Node, order: dict) -> bool:
 
 def writes_in_place(gm: fx.GraphModule, ph_idx: int, out_idx: int) -> bool:
     """Whether output `out_idx` of gm is an in-place scatter into placeholder `ph_idx` (write_in_place made it)."""
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    ret = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    outs = [ret] if not isinstance(ret, (tuple, list)) else list(ret)
+    phs, _, outs, _ = _ends(gm)
     if not (ph_idx < len(phs) and out_idx < len(outs)):
         return False
     y = outs[out_idx]
     return (isinstance(y, fx.Node) and y.op == "call_function" and y.target in _IN_PLACE.values()
             and y.args[0] is phs[ph_idx])
+
+
+def _ends(gm: fx.GraphModule) -> tuple[list, fx.Node, list, bool]:
+    """(placeholders, the output node, its values as a list, whether the graph returns one value, not a tuple)."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    single = not isinstance(out_node.args[0], (tuple, list))
+    return phs, out_node, [out_node.args[0]] if single else list(out_node.args[0]), single
