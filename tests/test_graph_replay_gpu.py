@@ -88,15 +88,24 @@ def _pool_bytes(pool_id) -> int:
 
 
 def _bucket_inputs(sess, seed) -> dict:
+    """Random inputs for a serving bucket: token ids, cache positions, the prefill's cache rows ([B], distinct,
+    below the caches' R rows) and last-token indices ([B], below S), caches at random."""
     g = torch.Generator().manual_seed(seed)
+    tensors = sess.pipeline.tensors
+    rows = min(tensors[n].shape[0] for n in sess.input_names if n.startswith("past_key_values"))
     out = {}
     for n in sess.input_names:
-        t = sess.pipeline.tensors[n]
+        t = tensors[n]
         if n.startswith("input_ids"):
             out[n] = torch.randint(0, 64, t.shape, generator=g)
         elif n.startswith("cache_position"):
             out[n] = torch.randint(0, 16, t.shape, generator=g)
+        elif n == "cache_row":
+            out[n] = torch.randperm(rows, generator=g)[: t.shape[0]]
+        elif n == "logits_index":
+            out[n] = torch.randint(0, tensors["input_ids"].shape[1], t.shape, generator=g)
         else:
+            assert t.dtype == "f32", (n, t.dtype)                  # an input this helper does not know
             out[n] = torch.randn(t.shape, generator=g)
     return out
 
