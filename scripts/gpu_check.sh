@@ -72,7 +72,8 @@
 # At most 8 files come back from $OUT: machine.txt, summary.txt, <stage>.log, results.jsonl (tests
 # stages), and the stage's JSON (bench.json, fused.json + fusion_measured.json, tune.json +
 # tuned_configs.json, shapes.json, runtime.json, serving.json, memory.json); packed as above where a call's stages
-# leave more. GPU_CHECK_NO_INSTALL=1 skips the install (the CPU test of this script).
+# leave more. GPU_CHECK_NO_INSTALL=1 skips the install (the CPU test of this script); GPU_CHECK_PLAN=1
+# prints each stage the call would run, with its arguments, and runs nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -81,13 +82,18 @@ CALL_S="${GPU_CHECK_CALL_S:-360}"
 STAGE_MIN_S="${GPU_CHECK_STAGE_MIN_S:-60}"
 summary="$OUT/summary.txt"
 STAGES="tests, cuda, plain, bench, fused, tune, shapes, runtime, serving, memory"
-# the call's stages: the arguments split at each lone '+' (and a first word 'a+b+c' into a, b, c, with
-# no arguments of their own); each stage's own arguments stored quoted, to be eval'ed
+# the call's stages: the arguments split at each lone '+' (and a first word 'a+b+c' into a, b, c, the
+# arguments after it going to c: `tests+serving --sections 1`); each stage's own arguments stored
+# quoted, to be eval'ed
 [ $# -eq 0 ] && set -- tests
-if [ $# -eq 1 ] && [[ "$1" == *+* ]]; then
+if [[ "$1" == *+* ]]; then
   IFS='+' read -r -a words <<< "$1"
+  [[ "$1" == *+ ]] && words+=("")                          # 'tests+': an empty last stage, refused below
+  shift
+  rest=("$@")
   set -- "${words[0]}"
   for w in "${words[@]:1}"; do set -- "$@" + "$w"; done
+  set -- "$@" "${rest[@]}"
 fi
 names=() args=() cur=""
 for w in "$@"; do
@@ -114,6 +120,10 @@ for name in "${names[@]}"; do
   fi
   seen+="$name "
 done
+if [ "${GPU_CHECK_PLAN:-0}" = 1 ]; then      # what the call would run, a line per stage, and nothing else
+  for i in "${!names[@]}"; do a="${args[$i]% }"; echo "${names[$i]}${a:+: $a}"; done
+  exit 0
+fi
 
 {
   date -u +"%Y-%m-%dT%H:%M:%SZ"

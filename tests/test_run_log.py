@@ -375,6 +375,21 @@ def test_gpu_check_refuses_a_bad_chain_before_any_stage(tmp_path, stages, messag
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.txt"]
 
 
+@pytest.mark.parametrize("words, plan", [
+    (["tests+serving", "--sections", "1"], ["tests", "serving: --sections 1"]),
+    (["tests+fused+runtime"], ["tests", "fused", "runtime"]),
+    (["tests", "tests/a.py", "tests/b.py::t[x y]", "+", "runtime", "--batches", "1"],
+     ["tests: tests/a.py tests/b.py::t\\[x\\ y\\]", "runtime: --batches 1"]),
+    (["fused+tune", "--smoke", "+", "memory", "--sections", "load"], ["fused", "tune: --smoke", "memory: --sections load"])])
+def test_gpu_check_gives_each_stage_its_arguments(tmp_path, words, plan):
+    """A first word 'a+b' is stages a and b, the arguments after it b's (as BENCHMARKS.md's plan writes the first
+    call, `tests+serving --sections 1`); GPU_CHECK_PLAN=1 prints the stages and runs nothing."""
+    proc = _gpu_check(tmp_path, *words, GPU_CHECK_PLAN="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == plan
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_gpu_check_runtime_and_memory_stages_then_ingest(tmp_path):
     """The first call's third stage (runtime, table 1) and the second call's memory stage, chained, on CPU (--quick),
     then scripts/ingest_gpu_check.py on their $OUT: runtime.json and memory.json come back, and ingesting them
