@@ -386,7 +386,6 @@ def serving_prefill(folder: Path, out: Path, host: dict, dev):
                             "cache_row": torch.arange(batch), **caches}, dev)
 
 
-
 def unsplit_last_rows(model, ids, check, timed, dev, rows: list[Row], progress=lambda: None) -> None:
     """The unsplit prefill as a server runs it, the last position's logits only (logits_to_keep=1):
     compiled and (on a GPU) reduce-overhead, appended to rows: the serving prefill's baseline."""

@@ -45,7 +45,10 @@ def _slice(t: torch.Tensor, placements) -> torch.Tensor:
     return t[tuple(slice(a, b) for a, b in placements)]
 
 
-def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor], *, partial: bool = False) -> dict[str, torch.Tensor]:
+    """Each pipeline input = its model input's slice (checked against the model's shape and dtype);
+    `partial`: only the pipeline inputs of the model inputs given (a caller passing the others, e.g. a
+    KV cache updated in place, as pipeline tensors of its own)."""
     originals = p.metadata.tensors_inputs
     if not p.metadata.slices_inputs:
         raise InputError("run_model: the pipeline has no metadata.tensor_slices.inputs; call run() with pipeline tensors")
@@ -55,6 +58,8 @@ def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     out = {}
     for tensor, s in p.metadata.slices_inputs.items():
         if s.origin not in flat:
+            if partial:
+                continue
             raise InputError(f"run_model: {s.origin}: expected a tensor for this model input, found none")
         o, x = originals[s.origin], flat[s.origin]
         if tuple(x.shape) != o.shape:

@@ -37,7 +37,7 @@ from fastpipe.errors import FastpipeError, InputError, RunError
 from fastpipe.generation.buckets import CACHE_ROW, LOGITS_INDEX, ServingBuckets, last_logits_only, writes_cache
 from fastpipe.generation.kv_state import KVState, cache_rows
 from fastpipe.generation.sampling import SamplingParams, sample
-from fastpipe.model_io import assemble_outputs
+from fastpipe.model_io import assemble_outputs, to_pipeline_inputs
 
 _DONE = object()
 
@@ -327,8 +327,8 @@ class Engine:
         for i, (row, r) in enumerate(placed):
             index[i], rows[i] = len(r.prompt) - 1, row
         model = {"input_ids": ids, LOGITS_INDEX: index, CACHE_ROW: rows}
-        inputs = {n: model[sl.origin][tuple(slice(a, e) for a, e in sl.placements)].to(sess.slot_devices[sl.device])
-                  for n, sl in meta.slices_inputs.items() if sl.origin in model}
+        inputs = to_pipeline_inputs(sess.pipeline, model, partial=True)            # the caches: the engine's
+        inputs = {n: t.to(sess.slot_devices[meta.slices_inputs[n].device]) for n, t in inputs.items()}
         return {**inputs, **self._prefill_caches[id(sess)]}
 
     def _prefill_returning_caches(self, sess, b: int, s: int, group):

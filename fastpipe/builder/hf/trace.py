@@ -334,11 +334,16 @@ def _cache_classes():
     return DynamicCache, _FlatLayer, _StaticLayer, _RowsLayer
 
 
+def _check_past(num_layers: int, past) -> None:
+    if len(past) != 2 * num_layers:
+        raise BuildError(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
+
+
 def flat_cache(num_layers: int, past: tuple[torch.Tensor, ...] | list[torch.Tensor]):
     """A transformers DynamicCache over flat tensors [l0 keys, l0 values, l1 keys, ...] (empty if none)."""
     DynamicCache, FlatLayer, *_ = _cache_classes()
-    if past and len(past) != 2 * num_layers:
-        raise BuildError(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
+    if past:
+        _check_past(num_layers, past)
     cache = DynamicCache()
     cache.layer_class_to_replicate = None
     cache.layers = [FlatLayer(past[2 * l], past[2 * l + 1]) if past else FlatLayer() for l in range(num_layers)]
@@ -349,8 +354,7 @@ def static_cache(num_layers: int, past, positions: torch.Tensor):
     """A DynamicCache of static layers over flat tensors [l0 keys, l0 values, ...], each [B, Hkv, M, D];
     `positions` [B, S]: where each row's new tokens go."""
     DynamicCache, _, StaticLayer, _ = _cache_classes()
-    if len(past) != 2 * num_layers:
-        raise BuildError(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
+    _check_past(num_layers, past)
     cache = DynamicCache()
     cache.layer_class_to_replicate = None
     cache.layers = [StaticLayer(past[2 * l], past[2 * l + 1], positions) for l in range(num_layers)]
@@ -362,8 +366,7 @@ def rows_cache(num_layers: int, past, cache_row: torch.Tensor):
     each [R, Hkv, M, D]: batch row b into cache row cache_row[b] (clamped to [0, R)); batch rows naming
     one cache row write the first one's keys/values."""
     DynamicCache, *_, RowsLayer = _cache_classes()
-    if len(past) != 2 * num_layers:
-        raise BuildError(f"past_key_values: expected {2 * num_layers} tensors, found {len(past)}")
+    _check_past(num_layers, past)
     b = cache_row.shape[0]
     rows = cache_row.clamp(0, past[0].shape[0] - 1)                            # [B]
     same = rows.view(b, 1) == rows.view(1, b)                                   # [B, B]
