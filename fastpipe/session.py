@@ -79,7 +79,8 @@ class Session:
         self._in_place = self.state if opts.state_in_place else {}
         # the region processor compiles whole regions; its steps stay eager (for locating failures)
         self._binder = Binder(pipeline, self.options, self.store, self.slot_devices,
-                              compile=opts.compile and not region, compile_policy=opts.compile_policy)
+                              compile=opts.compile and not region, compile_policy=opts.compile_policy,
+                              fold_gemms=self.processor in ("cpu", "cuda", "dist"))
         # the cpu and cuda processors' steps write state in place where they can (bind); the region
         # processor rewrites its stitched graphs, the reference runs the graphs as the file has them
         steps_in_place = self._in_place if self.processor in ("cpu", "cuda") else None

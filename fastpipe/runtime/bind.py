@@ -20,6 +20,9 @@ positions into the caller's cache instead of making a new one for the session to
 graphs get the same rewrite, fastpipe.runtime.fuse); the others are copied in as before. The
 reference processor keeps every graph as the file says (it is the oracle); the region processor
 rewrites its stitched graphs itself.
+
+GEMM layout (`fold_gemms`, the cpu, cuda and dist processors): a step's batched linears run as the
+one mm that F.linear reaches (fastpipe.runtime.gemm_layout), on a copy of the decoded graph.
 """
 from __future__ import annotations
 
@@ -42,9 +45,10 @@ from fastpipe.weights import ParamRef, WeightStore, resolve_param_path
 
 class Binder:
     def __init__(self, p: Pipeline, opts: LoadOptions, store: WeightStore, slot_devices: dict[str, torch.device],
-                 *, compile: bool = False, compile_policy: str = "warn"):
+                 *, compile: bool = False, compile_policy: str = "warn", fold_gemms: bool = False):
         self.p, self.opts, self.store, self.slot_devices = p, opts, store, slot_devices
         self.compile, self.compile_policy = compile, compile_policy
+        self.fold_gemms = fold_gemms      # batched linears folded into mm (fastpipe.runtime.gemm_layout)
         self.compiled: dict[str, object] = {}     # supertask id -> CompiledGraph (when compiling)
         self._const: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._gms: dict[tuple[int, torch.device], torch.nn.Module] = {}
@@ -96,6 +100,10 @@ class Binder:
             if g.external_constants:
                 self._bind_external(sid, g)
             gm = placed_graph(g.gm, device)      # constants and device arguments on the slot's device
+            if self.fold_gemms:
+                from fastpipe.runtime.gemm_layout import folded_copy
+
+                gm = folded_copy(gm)
             gm.eval()
             self._gms[key] = gm
         gm, written = self._in_place_graph(key, self._gms[key], in_place) if in_place else (self._gms[key], ())

@@ -481,6 +481,10 @@ def apply(program, decisions: list[Decision], checked, binder):
             root = dg.gm
         gm = _rewrite_graph(dg.gm, suffix=suffix and suffix[:2], prefix=prefix and prefix[:2], root=root)
         gm = _placed_graph(gm, st.device)
+        if binder.fold_gemms:             # as bind made the unfused step (fastpipe.runtime.gemm_layout)
+            from fastpipe.runtime.gemm_layout import fold_batched_linears
+
+            fold_batched_linears(gm)
         reads, writes = st.reads, st.writes
         if suffix is not None:
             k, _, z = suffix

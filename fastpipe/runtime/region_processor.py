@@ -92,6 +92,7 @@ class RegionProcessor:
         WeightStore's substitute: later sessions loading the shards get the views), before the shards go.
         The Program's steps must be the only other holders of their constants (the Session drops
         its Binder's first), so that each group's shards are freed as soon as it is merged."""
+        from fastpipe.runtime.gemm_layout import fold_batched_linears
         from fastpipe.runtime.region_graph import stitch
         from fastpipe.runtime.region_passes import PassReport, optimize
 
@@ -114,12 +115,14 @@ class RegionProcessor:
         self.state = dict(state or {})
         self._state_outputs = frozenset(self.state.values())
         self.in_place = 0               # state updates written by an in-place op (the rest: a copy_ at the end)
+        self.folded = 0                 # batched linears folded into one mm (fastpipe.runtime.gemm_layout)
         for r in program.regions:
             if r.device is None:
                 self.runs.append(_RegionRun(r, None))
                 continue
             gm = stitch(program, r, self.group_fns)
             rep = optimize(gm, merge=merge_shards, on_merge=self._rebinder(r))
+            self.folded += fold_batched_linears(gm)      # after the merges, which read the bmm form too
             self.in_place += self._state_in_place(r, gm)
             self.passes.cse += rep.cse
             self.passes.merged += rep.merged
@@ -204,6 +207,8 @@ class RegionProcessor:
                         f"{e * 1e3:.3f} vs {c * 1e3:.3f} ms a call)")
         if self.passes.merged:
             how += f", {self.passes.merged} shard matmuls merged"
+        if self.folded:
+            how += f", {self.folded} batched linears folded into mm"
         if self.state:
             how += f", {len(self.state)} state tensors updated in place ({self.in_place} by an in-place write)"
         if self.replay is not None:
