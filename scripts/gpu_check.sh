@@ -44,6 +44,11 @@
 #   bash scripts/gpu_check.sh memory --sections load,memory   # issue 16, table 4: bench/report_memory.py
 #   bash scripts/gpu_check.sh memory --sections pool          # -> memory.json (written after each row)
 #   bash scripts/gpu_check.sh bench       # the pytest-benchmark report (bench/report.py) -> bench.json
+#   bash scripts/gpu_check.sh real --geometry llama-3.1-8b --tp 2,1 --batches 1,8,32 --prompt-lens 512,2048
+#                                         # real size: bench/report_real_size.py -> real.json (the checkpoint
+#                                         # written under GPU_CHECK_REAL_DIR, default /tmp/fastpipe_real, once)
+#   bash scripts/gpu_check.sh scale --checkpoint /tmp/fastpipe_real/llama-3.1-8b --sections load --device cuda:0
+#                                         # build and load at real size: bench/report_scale.py -> scale.json
 # Every stage passes further arguments on (to pytest, or to the report script).
 #
 # Several stages in one call, one after another, their arguments split at each lone '+':
@@ -71,7 +76,7 @@
 # with pytest-timeout a test running past 300 s fails (its stacks in results.jsonl) and the rest go on.
 # At most 8 files come back from $OUT: machine.txt, summary.txt, <stage>.log, results.jsonl (tests
 # stages), and the stage's JSON (bench.json, fused.json + fusion_measured.json, tune.json +
-# tuned_configs.json, shapes.json, runtime.json, serving.json, memory.json); packed as above where a call's stages
+# tuned_configs.json, shapes.json, runtime.json, serving.json, memory.json, real.json, scale.json); packed as above where a call's stages
 # leave more. GPU_CHECK_NO_INSTALL=1 skips the install (the CPU test of this script); GPU_CHECK_PLAN=1
 # prints each stage the call would run, with its arguments, and runs nothing.
 set -uo pipefail
@@ -81,7 +86,7 @@ mkdir -p "$OUT"
 CALL_S="${GPU_CHECK_CALL_S:-360}"
 STAGE_MIN_S="${GPU_CHECK_STAGE_MIN_S:-60}"
 summary="$OUT/summary.txt"
-STAGES="tests, cuda, plain, bench, fused, tune, shapes, runtime, serving, memory"
+STAGES="tests, cuda, plain, bench, fused, tune, shapes, runtime, serving, memory, real, scale"
 # the call's stages: the arguments split at each lone '+' (and a first word 'a+b+c' into a, b, c, the
 # arguments after it going to c: `tests+serving --sections 1`); each stage's own arguments stored
 # quoted, to be eval'ed
@@ -109,7 +114,7 @@ names+=("${cur%% *}"); args+=("${cur#* }")
 seen=" "
 for name in "${names[@]}"; do
   case "$name" in
-    tests|cuda|plain|bench|fused|tune|shapes|runtime|serving|memory) ;;
+    tests|cuda|plain|bench|fused|tune|shapes|runtime|serving|memory|real|scale) ;;
     *) echo "gpu_check.sh: unknown stage '$name' ($STAGES)" | tee -a "$summary"
        exit 2 ;;
   esac
@@ -252,6 +257,12 @@ run_one() {  # stage, its arguments...: one stage; non-zero when it failed
       run_stage serving "$(left 10)" python3 bench/report_serving.py --json "$OUT/serving.json" "${extra[@]}" || rc=1 ;;
     memory)
       run_stage memory "$(left 10)" python3 bench/report_memory.py --json "$OUT/memory.json" "${extra[@]}" || rc=1 ;;
+    real)    # a real geometry's decode and prefill against its baselines (bench/report_real_size.py); the
+             # checkpoint is written once on this machine's disk (GPU_CHECK_REAL_DIR) and reused by later calls
+      run_stage real "$(left 10)" python3 bench/report_real_size.py --keep "${GPU_CHECK_REAL_DIR:-/tmp/fastpipe_real}" \
+        --budget-s "$(left 60)" --json "$OUT/real.json" "${extra[@]}" || rc=1 ;;
+    scale)   # build and load at real size (bench/report_scale.py), on a checkpoint the real stage wrote
+      run_stage scale "$(left 10)" python3 bench/report_scale.py --json "$OUT/scale.json" "${extra[@]}" || rc=1 ;;
   esac
   return $rc
 }

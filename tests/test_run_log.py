@@ -267,7 +267,7 @@ def test_gpu_check_refuses_an_unknown_stage(tmp_path):
                           env=dict(os.environ, OUT=str(tmp_path)), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stdout.strip() == ("gpu_check.sh: unknown stage 'everything' (tests, cuda, plain, bench, fused, "
-                                   "tune, shapes, runtime, serving, memory)")
+                                   "tune, shapes, runtime, serving, memory, real, scale)")
 
 
 def _gpu_check(tmp_path, *args, **env):
@@ -365,10 +365,10 @@ def test_gpu_check_starts_no_stage_past_the_calls_budget(tmp_path):
 
 @pytest.mark.parametrize("stages, message", [
     ("tests+everything", "unknown stage 'everything' (tests, cuda, plain, bench, fused, tune, shapes, runtime, "
-                         "serving, memory)"),
+                         "serving, memory, real, scale)"),
     ("fused+fused", "stage 'fused' twice in one call: one call runs a stage once (give it all its arguments)"),
     ("tests++fused", "unknown stage '' (tests, cuda, plain, bench, fused, tune, shapes, runtime, serving, "
-                     "memory)")])
+                     "memory, real, scale)")])
 def test_gpu_check_refuses_a_bad_chain_before_any_stage(tmp_path, stages, message):
     proc = _gpu_check(tmp_path, stages)
     assert proc.returncode == 2 and proc.stdout.strip() == f"gpu_check.sh: {message}"
