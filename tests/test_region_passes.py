@@ -596,7 +596,7 @@ def test_on_merge_hears_of_each_group_once_its_shards_left_the_module():
         heard.append([(dim, off, [k for k, t in ws.items() if t is w]) for w, _, dim, off in pieces])
 
     rep = optimize(gm, on_merge=on_merge)
-    assert heard == [[(0, 0, ["w0"]), (0, 4, ["w1"])], [(1, 0, ["w2"]), (1, 8, ["w3"])]]
+    assert heard == [[(1, 0, ["w2"]), (1, 8, ["w3"])], [(0, 0, ["w0"]), (0, 4, ["w1"])]]    # rows merge first
     assert rep.merged == 2 and rep.pieces == []
     assert buffers(gm) == used_attrs(gm) == {"merged_cols_0", "merged_rows_0"}
     for a, b in zip(run(gm, *args), before):

@@ -64,8 +64,10 @@ def optimize(gm: fx.GraphModule, *, merge: bool = True, on_merge: Callable[[Piec
     rep.cse += cse(gm.graph)
     if merge:
         report_to = on_merge if on_merge is not None else rep.pieces.extend
-        _merge_columns(gm, rep, report_to)
+        # rows first: their shards usually tile one stored tensor (no copy) and go at once, before the
+        # column merges allocate theirs (a CPU load's peak: fastpipe.weights.store.whole_of)
         _merge_rows(gm, rep, report_to)
+        _merge_columns(gm, rep, report_to)
         rep.cse += cse(gm.graph)
     gm.graph.eliminate_dead_code()
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
@@ -324,13 +326,20 @@ _CONCATS: dict = {}      # (shard ids, dim) -> (weakref to the merged tensor, we
 
 def concat_weights(ws: list[torch.Tensor], dim: int) -> torch.Tensor:
     """cat(ws, dim), made once per process for the same shard tensors: sessions that share their
-    shards (buckets of one model, through one WeightStore) share the merged weight too."""
+    shards (buckets of one model, through one WeightStore) share the merged weight too. Shards that tile
+    one stored tensor in order (a row-parallel weight's column blocks, a vocab-parallel head's rows) are
+    not copied: the merged weight is that tensor, as the weight store reads it (on the CPU a view of the
+    checkpoint's mapping)."""
     entry = _CONCATS.get((tuple(id(w) for w in ws), dim))
     if entry is not None:
         merged, shards = entry[0](), [r() for r in entry[1]]
         if merged is not None and all(a is b for a, b in zip(shards, ws)):
             return merged
-    merged = torch.cat(ws, dim)
+    from fastpipe.weights.store import whole_of
+
+    merged = whole_of(ws, dim)        # shards tiling one stored tensor: that tensor (a view of its file)
+    if merged is None:
+        merged = torch.cat(ws, dim)
     remember_concat(ws, dim, merged)
     return merged
 

@@ -111,6 +111,7 @@ class RegionProcessor:
         self.runs: list[_RegionRun] = []
         self.passes = PassReport()
         self.rebound = 0                # shard constants replaced by views of a merged weight
+        self.released = 0               # bytes of the shards' file pages given back (fastpipe.weights.page_release)
         self._substitute = substitute
         self.state = dict(state or {})
         self._state_outputs = frozenset(self.state.values())
@@ -157,6 +158,7 @@ class RegionProcessor:
         next group is concatenated. Later sessions loading the same shards get the views, and with
         them the same merged weight (remember_concat)."""
         from fastpipe.runtime.region_passes import remember_concat
+        from fastpipe.weights.page_release import release
 
         holders: dict[int, list] = {}           # id(constant) -> [(a step's constants, name)]
         for slot, i in r.steps:
@@ -183,6 +185,9 @@ class RegionProcessor:
             self.rebound += len(pairs)
             if self._substitute is not None:
                 self._substitute(pairs)
+            # the shards' file pages (views of a checkpoint's mmap) are not read again: out of the RSS
+            self.released += release([w for w, merged, _, _ in pieces
+                                      if w.untyped_storage().data_ptr() != merged.untyped_storage().data_ptr()])
 
         return rebind
 

@@ -54,8 +54,24 @@ def _untrusted_export(ref: ParamRef, where: str) -> ParamError:
         "or trust_export=True in Python to load it)")
 
 
+_STORES: "weakref.WeakSet[WeightStore]" = weakref.WeakSet()
+
+
+def whole_of(ws, dim: int) -> torch.Tensor | None:
+    """The one stored tensor that the CPU slices `ws` tile, in order, along `dim` (each spanning every
+    other dimension whole), as the store hands it out (a zero-copy view of its file where the file holds
+    it contiguously); None where they are not such slices of any live store. cat(ws, dim) equals it."""
+    for store in list(_STORES):
+        t = store.whole(ws, dim)
+        if t is not None:
+            return t
+    return None
+
+
 class WeightStore:
     def __init__(self) -> None:
+        _STORES.add(self)
+        self._origin: dict[int, tuple] = {}   # id(CPU slice) -> (weakref to it, (slice key, opened, ref))
         self._lock = threading.RLock()
         self._files: dict[FileKey, object] = {}
         self._path_keys: dict[str, FileKey] = {}   # path -> the identity it had when last opened
@@ -131,9 +147,12 @@ class WeightStore:
                    for ref, shape, dtype, where, trust in requests]
         skeys = [(key, ref.name, placements, dtype) for (ref, *_), (key, _, placements, dtype) in zip(requests, checked)]
         if dev.type == "cpu":
-            return [self._shared(self._slices, skey, self._reader(opened, ref, placements, dtype, where),
+            outs = [self._shared(self._slices, skey, self._reader(opened, ref, placements, dtype, where),
                                  "slice_hits", "slice_misses")
                     for skey, (ref, _, _, where, _), (_, opened, placements, dtype) in zip(skeys, requests, checked)]
+            for t, skey, (ref, *_rest), (_, opened, _, _) in zip(outs, skeys, requests, checked):
+                self._remember(t, (skey, opened, ref))
+            return outs
         out: list = [None] * len(requests)
         todo: dict[tuple, list[int]] = {}           # (slice key, device) -> the requests it answers
         with self._lock:
@@ -211,6 +230,46 @@ class WeightStore:
         with self._lock:
             self._counts["bytes_read"] += t.numel() * t.element_size()
         return t
+
+    def whole(self, ws, dim: int) -> torch.Tensor | None:
+        """whole_of for this store's slices: the stored tensor they tile along dim, or None."""
+        with self._lock:
+            hits = [self._origin.get(id(w)) for w in ws]
+        origins = [h[1] if h is not None and h[0]() is w else None for h, w in zip(hits, ws)]
+        if len(ws) < 2 or any(o is None for o in origins):
+            return None
+        (key, name, _, dtype), opened, ref = origins[0]
+        stored = opened.stored(name, where="whole")
+        if stored is None or any(o[0][0] != key or o[0][1] != name or o[0][3] != dtype for o in origins):
+            return None
+        full = tuple((0, n) for n in stored.shape)
+        at = 0
+        for (_, _, placements, _), _, _ in origins:
+            for d, (pl, fl) in enumerate(zip(placements, full)):
+                if d == dim:
+                    if pl[0] != at:
+                        return None
+                    at = pl[1]
+                elif pl != fl:
+                    return None
+        if at != full[dim][1]:
+            return None
+        skey = (key, name, full, dtype)
+        t = self._shared(self._slices, skey, self._reader(opened, ref, full, dtype, "whole"), "slice_hits",
+                         "slice_misses")
+        self._remember(t, (skey, opened, ref))
+        return t
+
+    def _remember(self, t: torch.Tensor, origin: tuple) -> None:
+        """Where CPU slice t came from (whole() reads it), for as long as t lives."""
+        d, k = self._origin, id(t)
+
+        def gone(r, d=d, k=k):
+            if d.get(k, (None,))[0] is r:
+                d.pop(k, None)
+        with self._lock:
+            if k not in d or d[k][0]() is not t:
+                d[k] = (weakref.ref(t, gone), origin)
 
     def substitute(self, pairs) -> None:
         """For each (old, new) in `pairs`: hand out `new` (equal values: a view of a merged weight)
