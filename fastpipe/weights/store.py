@@ -23,6 +23,10 @@
   mapping is private). Rewriting a parameter file in place while a process
   uses it changes or invalidates (SIGBUS) its mapped pages: write a new file
   and rename it (safetensors' save_file does).
+* Whole tensors from slices: ``whole(ws, dim)`` (and ``whole_of`` over every live store) returns
+  the stored tensor that CPU slices ``ws`` tile in order along ``dim``, read as any slice is (the
+  whole tensor is contiguous in its file: a zero-copy view); the region processor's shard merge
+  takes it instead of concatenating a copy.
 * Thread-safe: one lock guards the caches and file opening; slice data is
   read outside it (two threads racing for one slice still get one object).
 """
