@@ -34,10 +34,12 @@ as a % of a large bf16 matmul timed in the same rounds.
 Logits: every row's logits on the first --check-steps positions (each row's tokens fed one step at a
 time from an empty cache) are checked against the unsplit model in float32: transformers' float32
 model, when it fits in memory; else --check-against, the logits a run of this script saved with
---save-logits in another process (--rows gptfast,f32: the gpt-fast-style model in bf16, and its bf16
-weights computed in float32, op by op: the float32 model of the checkpoint in bf16's memory). A row
-passes when its largest error is within 2x the bf16 unsplit model's own error (transformers', or the
-saved gpt-fast row's), or 3% of the largest |logit| when neither ran.
+--save-logits in another process; or, with --no-f32-check and the row "f32" in --rows, the float32
+row of the same run. That row is the gpt-fast-style model's bf16 weights computed in float32, op by
+op: the float32 model of the checkpoint in bf16's memory, sharing the gpt-fast row's weights (on a
+GPU the check then loads no model of its own). A row passes when its largest error is within 2x the
+bf16 unsplit models' own error (transformers' and gpt-fast's), or 3% of the largest |logit| when
+neither ran.
 
 Timing: after warm-up, the rows of a case are timed in interleaved rounds; a sample is the mean of
 back-to-back calls of about --sample-ms, each followed by a device synchronize; the median of
@@ -97,6 +99,22 @@ def copy_row(dev: torch.device) -> "Row":
     a = torch.ones(COPY_BYTES // 2, dtype=DTYPE, device=dev)
     b = torch.empty_like(a)
     return Row("device copy", lambda tokens, pos: b.copy_(a))
+
+
+GEMM_FLOOR = "the model's matmuls alone (F.linear on each weight, no other op)"
+
+
+def gemm_floor_row(model, batch: int, dev: torch.device) -> "Row":
+    """A row that runs only the decode step's GEMMs (F.linear of a [batch, in] activation with each linear
+    weight of the gpt-fast-style model, the head included): what this device's GEMM kernels alone take to
+    read the weights, the floor for every row built on them."""
+    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], device=dev).to(w.dtype) for w in ws}
+
+    def step(tokens, pos):
+        for w in ws:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+    return Row(GEMM_FLOOR, step)
 
 
 def matmul_row(dev: torch.device) -> tuple["Row", int]:
@@ -279,19 +297,34 @@ class UpcastBf16(torch.overrides.TorchFunctionMode):
 
 
 class GptFastF32(GptFast):
-    """The gpt-fast-style model's bf16 weights, computed in float32 (UpcastBf16; caches in float32): the
-    float32 reference where transformers' float32 model does not fit beside the run."""
+    """The gpt-fast-style model's bf16 weights, computed in float32 (UpcastBf16; caches and rotary tables
+    in float32): the float32 reference where transformers' float32 model does not fit beside the run.
+    `share`: the bf16 row's GptFast, whose weights it uses (its own caches swapped in for each call)."""
 
-    def __init__(self, folder: Path, batch: int, max_len: int, dev: torch.device):
-        self.model = gf.load(folder, DTYPE, dev)
-        with torch.device(dev):
-            self.model.setup_caches(batch, max_len, dtype=torch.float32)
-        self.dev = dev
+    def __init__(self, folder: Path, batch: int, max_len: int, dev: torch.device, share: GptFast | None = None):
+        self.model = share.model if share is not None else gf.load(folder, DTYPE, dev)
+        self.dev, a = dev, self.model.args
+        self.caches = [gf.KVCache(batch, a.n_kv_heads, max_len, a.head_dim, torch.float32, dev) for _ in self.model.layers]
+        self.rope = gf.rope_tables(a, max_len, dev)           # float32 [T, D] each
+        if share is None:
+            with torch.device(dev):
+                self.model.setup_caches(batch, max_len)
 
     def __call__(self, tokens, pos):
-        with torch.inference_mode(), UpcastBf16():
-            ip = torch.arange(pos, pos + tokens.shape[1], device=self.dev)
-            return gf.decode_one_token(self.model, tokens.to(self.dev), ip).float()
+        m = self.model
+        kept = [layer.attention.kv_cache for layer in m.layers], (m.rope_cos, m.rope_sin)
+        for layer, c in zip(m.layers, self.caches):
+            layer.attention.kv_cache = c
+        m.rope_cos, m.rope_sin = self.rope
+        try:
+            with torch.inference_mode(), UpcastBf16():
+                ip = torch.arange(pos, pos + tokens.shape[1], device=self.dev)
+                fn = gf.decode_one_token if tokens.shape[1] == 1 else gf.prefill
+                return fn(m, tokens.to(self.dev), ip).float()
+        finally:
+            for layer, c in zip(m.layers, kept[0]):
+                layer.attention.kv_cache = c
+            m.rope_cos, m.rope_sin = kept[1]
 
 
 def timed_row(label: str, make) -> Row:
@@ -319,25 +352,36 @@ def check_rows(rows: list[Row], tokens: torch.Tensor, ref: torch.Tensor | None, 
             r.compile_s += time.perf_counter() - t
             r.logits = torch.stack([first] + [r.step(tokens[:, i:i + 1], i).float().cpu()
                                               for i in range(1, 0 if whole else tokens.shape[1])], 1)
-            if ref is None:
-                continue
-            tol = 2 * own_err if own_err else 0.03 * ref.abs().max().item()
-            r.err = (r.logits - ref).abs().max().item()
-            r.check = "ok" if r.err <= tol else f"MISMATCH (tolerance {tol:.3g})"
         except Exception as e:  # noqa: BLE001
             r.error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
             r.step = None
+    f32 = next((r for r in rows if r.label == F32_LABEL and r.logits is not None), None)
+    if ref is None and f32 is not None:     # the float32 row of this run is the reference; the bf16
+        ref = f32.logits                    # unsplit rows' own error against it, the tolerance's base
+        own = [(r.logits - ref).abs().max().item() for r in rows if r.logits is not None
+               and (r.label.startswith("transformers") or r.label.startswith("gpt-fast"))]
+        own_err = max(own) if own else None
+    if ref is None:
+        return
+    tol = 2 * own_err if own_err else 0.03 * ref.abs().max().item()
+    for r in rows:
+        if r.logits is not None:
+            r.err = (r.logits - ref).abs().max().item()
+            r.check = "ok" if r.err <= tol else f"MISMATCH (tolerance {tol:.3g})"
 
 
-def reference_logits(folder: Path, tokens: torch.Tensor, dtype) -> torch.Tensor:
-    """The unsplit transformers model's logits [B, n, V] (float32) on the whole sequence at once."""
+def reference_logits(folder: Path, tokens: torch.Tensor, dtype, dev: torch.device) -> torch.Tensor:
+    """The unsplit transformers model's logits [B, n, V] (float32, on the CPU) on the whole sequence at
+    once, computed on dev before any row is loaded (and its memory given back)."""
     import transformers
 
-    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(dev).eval()
     with torch.inference_mode():
-        out = m(input_ids=tokens).logits.float()
+        out = m(input_ids=tokens.to(dev)).logits.float().cpu()
     del m
     gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -385,7 +429,10 @@ def decode_case(args, folder: Path, dims: Dims, batch: int, dev, ref_all, own_er
         _save_logits(args.save_logits, batch, rows, tokens)
     cur = torch.randint(0, dims.vocab, (batch, 1), generator=g)
     copy = copy_row(dev)                    # the device copy, timed in the same rounds as the rows
-    time_rows([r for r in rows if r.label != F32_LABEL] + [copy], cur, m - 1, dev, args.repeat, args.sample_ms)
+    floor = [gemm_floor_row(r.step.model, batch, dev) for r in rows if isinstance(r.step, GptFast)
+             and not isinstance(r.step, GptFastF32)][:1]
+    time_rows([r for r in rows if r.label != F32_LABEL] + floor + [copy], cur, m - 1, dev, args.repeat, args.sample_ms)
+    rows += floor
     bw = 2 * COPY_BYTES / statistics.median(copy.samples)
     del copy
     nbytes = dims.step_bytes(batch, m)
@@ -403,13 +450,15 @@ def prefill_case(args, folder: Path, dims: Dims, seq: int, dev, tmp: Path) -> di
     m = max(seq, args.max_len)
     g = torch.Generator().manual_seed(seq)
     tokens = torch.randint(0, dims.vocab, (1, seq), generator=g)
+    ref = own = None
+    if not args.no_f32_check:             # the last position's logits against the f32 model's (before any row)
+        ref = reference_logits(folder, tokens, torch.float32, dev)[:, -1:]
+        own = (reference_logits(folder, tokens, DTYPE, dev)[:, -1:] - ref).abs().max().item()
     rows = make_rows(args, folder, 1, seq, m, dev, tmp / f"prefill_s{seq}", prefill=True)
-    if not args.no_f32_check:             # the last position's logits against the f32 model's
-        ref = reference_logits(folder, tokens, torch.float32)[:, -1:]
-        own = (reference_logits(folder, tokens, DTYPE)[:, -1:] - ref).abs().max().item()
-        check_rows(rows, tokens, ref, own, whole=True)
+    check_rows(rows, tokens, ref, own, whole=True)
     mm, n = matmul_row(dev)                 # the large matmul, timed in the same rounds as the rows
-    time_rows(rows + [mm], tokens, 0, dev, args.repeat, args.sample_ms, warmup=1)
+    time_rows([r for r in rows if r.label != F32_LABEL] + [mm], tokens, 0, dev, args.repeat, args.sample_ms,
+              warmup=1)
     rate = 2 * n**3 / statistics.median(mm.samples)
     flops = dims.prefill_flops(seq)
     docs = []
@@ -431,8 +480,9 @@ def make_rows(args, folder: Path, batch: int, seq: int, m: int, dev, out: Path, 
         rows.append(timed_row(f"transformers static, {how}", lambda: HFStatic(folder, batch, m, dev, not args.eager)))
     if "gptfast" in args.rows:
         rows.append(timed_row(f"gpt-fast style, {how}", lambda: GptFast(folder, batch, m, dev, not args.eager)))
-    if "f32" in args.rows and not prefill:
-        rows.append(timed_row(F32_LABEL, lambda: GptFastF32(folder, batch, m, dev)))
+    if "f32" in args.rows:
+        share = next((r.step for r in rows if isinstance(r.step, GptFast)), None)
+        rows.append(timed_row(F32_LABEL, lambda: GptFastF32(folder, batch, m, dev, share)))
     return rows
 
 
@@ -462,7 +512,7 @@ def verdicts(docs: list[dict], case: str) -> dict:
     """Per fastpipe row: its time over the faster baseline's (target <= 1.05x) and its fraction of the
     device's copy bandwidth (decode, target >= 60 %) or bf16 matmul rate (prefill, target >= 60 %)."""
     timed = [d for d in docs if d["median_s"]]
-    base = [d for d in timed if not d["label"].startswith("fastpipe")]
+    base = [d for d in timed if not d["label"].startswith("fastpipe") and d["label"] != GEMM_FLOOR]
     best = min(base, key=lambda d: d["median_s"]) if base else None
     v = {"logits_ok": all(d["logits_check"] in ("ok", None) and not d["error"] for d in docs), "rows": {}}
     for d in timed:
@@ -553,8 +603,8 @@ def main(argv=None) -> int:
                 assert torch.equal(saved[b]["tokens"], tokens), "--check-against: other tokens"
                 ref, own_err = saved[b]["rows"][saved[b]["reference"]], saved[b].get("own_err")
             elif not args.no_f32_check:
-                ref = reference_logits(folder, tokens, torch.float32)
-                own_err = (reference_logits(folder, tokens, DTYPE) - ref).abs().max().item()
+                ref = reference_logits(folder, tokens, torch.float32, dev)
+                own_err = (reference_logits(folder, tokens, DTYPE, dev) - ref).abs().max().item()
             case = decode_case(args, folder, dims, b, dev, ref, own_err, tmp)
             doc["cases"].append(case)
             print_case(case)

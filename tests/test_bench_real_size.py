@@ -32,7 +32,9 @@ def test_decode_and_prefill_rows_run_check_their_logits_and_get_verdicts(ckpt, t
     assert decode["copy_bandwidth_gb_s"] > 0 and prefill["matmul_tflop_s"] > 0
     labels = [r["label"] for r in decode["rows"]]
     assert labels == ["fastpipe tp=1, region processor", "fastpipe tp=2, region processor",
-                      "transformers static, eager", "gpt-fast style, eager"]
+                      "transformers static, eager", "gpt-fast style, eager", report_real_size.GEMM_FLOOR]
+    floor = decode["rows"].pop()               # the kernels' floor: timed, no model, no logits
+    assert floor["median_s"] > 0 and floor["logits_check"] is None
     for r in decode["rows"]:
         assert r["error"] is None and r["logits_check"] == "ok" and len(r["samples_s"]) == 2
         assert r["bytes_per_step"] > 0 and r["gb_per_s"] == pytest.approx(r["bytes_per_step"] / r["median_s"] / 1e9)
@@ -56,7 +58,8 @@ def test_a_row_checked_against_another_process_saved_float32_logits(ckpt, tmp_pa
     args = ["--checkpoint", str(ckpt), "--batches", "1", "--max-len", "16", "--eager", "--repeat", "1",
             "--sample-ms", "5"]
     assert report_real_size.main(args + ["--rows", "gptfast,f32", "--save-logits", str(saved), "--json", str(first)]) == 0
-    bf16, f32 = json.loads(first.read_text())["cases"][0]["rows"]
+    bf16, f32, floor = json.loads(first.read_text())["cases"][0]["rows"]
+    assert floor["label"] == report_real_size.GEMM_FLOOR
     assert f32["label"] == report_real_size.F32_LABEL and f32["samples_s"] == []      # checked, not timed
     assert f32["max_abs_err"] < 1e-4 < bf16["max_abs_err"]          # float32 itself, unlike the bf16 row
     doc = torch.load(saved)
@@ -81,4 +84,18 @@ def test_build_and_load_measured_in_processes_of_their_own(ckpt, tmp_path):
     assert [r["label"] for r in loads] == ["safetensors load_file", "fastpipe.load tp=2"]
     assert all("error" not in r and r["s"] > 0 for r in loads)
     v = doc["verdicts"]
-    assert v["build_weight_bytes_copied"] == 0 and v["load_time_ratio"] == pytest.approx(loads[1]["s"] / loads[0]["s"])
+    assert v["build"]["weight_bytes_copied"] == 0 and v["load_time_ratio"] == pytest.approx(loads[1]["s"] / loads[0]["s"])
+
+
+def test_the_float32_row_of_the_same_run_is_the_reference_when_no_other_is_computed(ckpt, tmp_path):
+    out = tmp_path / "r.json"
+    rc = report_real_size.main(["--checkpoint", str(ckpt), "--tp", "2", "--batches", "1", "--prompt-lens", "8",
+                                "--max-len", "16", "--eager", "--repeat", "1", "--sample-ms", "5", "--no-f32-check",
+                                "--rows", "fastpipe,transformers,gptfast,f32", "--json", str(out)])
+    assert rc == 0
+    for case in json.loads(out.read_text())["cases"]:
+        rows = {r["label"]: r for r in case["rows"]}
+        f32 = rows.pop(report_real_size.F32_LABEL)
+        assert f32["max_abs_err"] == 0 and f32["samples_s"] == []       # the reference itself, not timed
+        rows.pop(report_real_size.GEMM_FLOOR, None)
+        assert len(rows) == 3 and all(r["logits_check"] == "ok" and r["max_abs_err"] > 0 for r in rows.values())
