@@ -593,6 +593,15 @@ def main(argv=None) -> int:
             print(f"\n{what}: not started (budget {args.budget_s:.0f} s; the longest case took {longest:.0f} s)")
             return False
 
+        def record(case: dict, started: float) -> None:    # kept, printed and written as each case ends
+            nonlocal longest
+            doc["cases"].append(case)
+            print_case(case)
+            if args.json:
+                Path(args.json).write_text(json.dumps(doc, indent=1))
+            gc.collect()
+            longest = max(longest, time.perf_counter() - started)
+
         for b in batches:
             if not fits(f"decode, batch {b}"):
                 continue
@@ -605,24 +614,12 @@ def main(argv=None) -> int:
             elif not args.no_f32_check:
                 ref = reference_logits(folder, tokens, torch.float32, dev)
                 own_err = (reference_logits(folder, tokens, DTYPE, dev) - ref).abs().max().item()
-            case = decode_case(args, folder, dims, b, dev, ref, own_err, tmp)
-            doc["cases"].append(case)
-            print_case(case)
-            if args.json:
-                Path(args.json).write_text(json.dumps(doc, indent=1))
-            gc.collect()
-            longest = max(longest, time.perf_counter() - tc)
+            record(decode_case(args, folder, dims, b, dev, ref, own_err, tmp), tc)
         for s in [int(x) for x in args.prompt_lens.split(",") if x]:
             if not fits(f"prefill, prompt {s}"):
                 continue
             tc = time.perf_counter()
-            case = prefill_case(args, folder, dims, s, dev, tmp)
-            doc["cases"].append(case)
-            print_case(case)
-            if args.json:
-                Path(args.json).write_text(json.dumps(doc, indent=1))
-            gc.collect()
-            longest = max(longest, time.perf_counter() - tc)
+            record(prefill_case(args, folder, dims, s, dev, tmp), tc)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     ok = all(c["verdicts"]["logits_ok"] for c in doc["cases"])
