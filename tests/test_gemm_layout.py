@@ -121,3 +121,13 @@ def test_every_weight_gemm_of_a_decode_step_reaches_the_backend_as_mm_of_t_w(lla
     # q/k/v, o, gate/up and down of each layer and the head: merged on the region path, per rank on cpu
     assert sum(op in ("mm", "addmm") for op, _ in log.calls) >= 4 * cfg.num_hidden_layers + 1
     assert weight_layout_violations(log.calls, weights) == []
+
+
+def test_a_broadcast_vector_folds_correctly_too():
+    """bmm(x, expand(t(v), [B, K, N])) with v 1-d: every row of the matrix is v; the fold stays exact."""
+    def f(x, v):
+        return torch.bmm(x, v.t().expand(2, 3, 5))
+    x, v = torch.randn(2, 4, 3), torch.randn(5)
+    gm = make_fx(f)(x, v)
+    assert fold_batched_linears(gm) == 1
+    torch.testing.assert_close(gm(x, v), f(x, v), rtol=1e-6, atol=1e-6)

@@ -13,9 +13,10 @@ Inductor keeps the extern bmm, so a compiled graph pays it too. Folding restores
 
     view(mm(reshape(x, [-1, K]), t(W)), [B, -1, N])
 
-which computes the same products and sums (the batch shares one matrix), in the backend's own order. Only a second operand
-that is an expand of a 2-d tensor to 3-d is folded; batched GEMMs of two activations (attention
-scores) stay bmm.
+which computes the same products and sums (the batch shares one matrix), in the backend's own
+order. Only a second operand that is an expand of a `t(...)` to 3-d is folded (the matrix is
+expanded to [K, N] once more, a no-op view for a 2-d one, so a 1-d one stays correct); batched GEMMs
+of two activations (attention scores) stay bmm.
 
     n = fold_batched_linears(gm)      # in place; how many bmm became mm
     gm2 = folded_copy(gm)             # a copy with them folded (gm itself when none is)
@@ -27,7 +28,7 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-_MATRIX = (aten.t.default,)          # ops whose result is 2-d whatever their input
+_MATRIX = (aten.t.default,)          # a transposed weight: t(W) [K, N] of W [N, K]
 
 
 def _broadcast_matrix(b: fx.Node) -> tuple[fx.Node, list[int]] | None:
@@ -58,7 +59,8 @@ def fold_batched_linears(gm: fx.GraphModule) -> int:
         w, (batch, k, n_out) = hit
         with g.inserting_before(node):
             rows = g.call_function(aten.reshape.default, (a, [-1, k]))          # [B*M, K]
-            mm = g.call_function(aten.mm.default, (rows, w))                     # [B*M, N]
+            mat = g.call_function(aten.expand.default, (w, [k, n_out]))          # [K, N]: t(W) itself
+            mm = g.call_function(aten.mm.default, (rows, mat))                   # [B*M, N]
             out = g.call_function(aten.view.default, (mm, [batch, -1, n_out]))   # [B, M, N]
         node.replace_all_uses_with(out)
         g.erase_node(node)
