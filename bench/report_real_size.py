@@ -74,22 +74,6 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def copy_bandwidth(dev: torch.device, nbytes: int = 2**30, repeat: int = 7) -> float:
-    """Bytes/s of a large device copy, read + write (STREAM's copy)."""
-    a = torch.ones(nbytes // 2, dtype=DTYPE, device=dev)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    times = []
-    for _ in range(repeat):
-        sync(dev)
-        t = time.perf_counter()
-        b.copy_(a)
-        sync(dev)
-        times.append(time.perf_counter() - t)
-    del a, b
-    return 2 * nbytes / statistics.median(times)
-
-
 COPY_BYTES = 2**30
 
 
@@ -118,24 +102,11 @@ def gemm_floor_row(model, batch: int, dev: torch.device) -> "Row":
 
 
 def matmul_row(dev: torch.device) -> tuple["Row", int]:
+    """(a row whose step is a large bf16 matmul, n): n^3 at 8192 on a GPU, 2048 on the CPU; timed with a
+    prefill case's rows, in the same rounds, it gives the matmul rate the rows are held to."""
     n = 8192 if dev.type == "cuda" else 2048
     a, b = torch.randn(n, n, device=dev).to(DTYPE), torch.randn(n, n, device=dev).to(DTYPE)
     return Row("bf16 matmul", lambda tokens, pos: a @ b), n
-
-
-def matmul_rate(dev: torch.device, repeat: int = 5) -> float:
-    """FLOP/s of a large bf16 matmul (8192^3 on a GPU, 2048^3 on the CPU)."""
-    n = 8192 if dev.type == "cuda" else 2048
-    a, b = torch.randn(n, n, device=dev).to(DTYPE), torch.randn(n, n, device=dev).to(DTYPE)
-    a @ b
-    times = []
-    for _ in range(repeat):
-        sync(dev)
-        t = time.perf_counter()
-        a @ b
-        sync(dev)
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times)
 
 
 # ------------------------------------------------------------------------------------- the model
@@ -576,11 +547,8 @@ def main(argv=None) -> int:
         dims = Dims.of(folder)
         doc = {"machine": machine_info(), "checkpoint": str(args.checkpoint or args.geometry),
                "layers": dims.layers, "weight_bytes": dims.weight_bytes, "tp": args.tp, "dtype": "bf16", "cases": []}
-        bw, rate = copy_bandwidth(dev), matmul_rate(dev)
-        doc["copy_bandwidth_gb_s"], doc["matmul_tflop_s"] = bw / 1e9, rate / 1e12
-        print(f"{dev}: copy {bw / 1e9:.1f} GB/s (at the start; each decode case times its own), bf16 matmul "
-              f"{rate / 1e12:.2f} TFLOP/s; "
-              f"weights {dims.weight_bytes / 2**30:.2f} GiB, {dims.layers} layers")
+        # the device's copy bandwidth and matmul rate are timed in each case's rounds (copy_row, matmul_row)
+        print(f"{dev}: weights {dims.weight_bytes / 2**30:.2f} GiB, {dims.layers} layers")
         batches = [int(b) for b in args.batches.split(",") if b]
         ref = own_err = None
         saved = torch.load(args.check_against) if args.check_against else None
