@@ -37,7 +37,7 @@ time is triton.testing.do_bench's median (p20-p80 shown) after its warm-up, with
 between repetitions; the fused kernel's first call (Triton compile) is reported apart.
 TFLOP/s = 2*M*N*K_total / time, and its share of the GPU's dense bf16/fp16 peak (PEAK_TFLOPS_16BIT,
 by device name; --peak-tflops overrides).
-The targets (issue 16), checked per row from M = 1024 on: fused >= 1.3x the unfused path, and fused
+The targets, checked per row from M = 1024 on: fused >= 1.3x the unfused path, and fused
 TFLOP/s >= 70% of torch.mm's.
 The "rule" column is what ``fused_is_faster`` (fastpipe.kernels.fusion_rule, the runtime's
 decision under fuse="auto") picked when the row was measured.
@@ -118,7 +118,7 @@ VARIANTS = ("fused", "unfused", "torch.mm")
 PEAK_TFLOPS_16BIT = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.4), ("H200", 989.4),
                      ("H100", 989.4), ("H800", 989.4), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.1),
                      ("L4", 121.0), ("B200", 2250.0))
-TARGET_SPEEDUP, TARGET_OF_MM, TARGET_FROM_M = 1.3, 0.70, 1024      # issue 16's targets, from M = 1024 on
+TARGET_SPEEDUP, TARGET_OF_MM, TARGET_FROM_M = 1.3, 0.70, 1024      # the targets, from M = 1024 on
 
 
 def peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
@@ -129,7 +129,7 @@ def peak_tflops(device_name: str, dtype: torch.dtype) -> float | None:
 
 
 def targets(row: dict) -> dict:
-    """Issue 16's targets for one row with M >= 1024: fused >= 1.3x the unfused path, and fused
+    """The targets for one row with M >= 1024: fused >= 1.3x the unfused path, and fused
     TFLOP/s >= 70% of one torch.mm's of the same work; {} below that M."""
     if row["M"] < TARGET_FROM_M:
         return {}

@@ -6,7 +6,7 @@ A random GPT-2 checkpoint is written once (safetensors). Then, each in a fresh p
   * imports only: python + torch + transformers + fastpipe (the floor every build pays);
   * fastpipe build: the same imports, then build_hf(..., tp, pp) and save.
 Peak RSS (VmHWM, which is per address space; ru_maxrss would inherit the forked parent's) of each, the build's increment over the imports, and build time.
-Target (issue 3): the build never loads all weights: peak RSS < 0.5 x checkpoint bytes.
+Target: the build never loads all weights: peak RSS < 0.5 x checkpoint bytes.
 """
 from __future__ import annotations
 

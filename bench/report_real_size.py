@@ -545,7 +545,7 @@ def main(argv=None) -> int:
             if not (folder / "config.json").is_file():      # written last: a folder without it is partial
                 write_checkpoint(args.geometry, folder, layers=args.layers)
         dims = Dims.of(folder)
-        doc = {"machine": machine_info(), "checkpoint": str(args.checkpoint or args.geometry),
+        doc = {"machine": machine_info(), "checkpoint": str(args.checkpoint or args.geometry), "geometry": folder.name,
                "layers": dims.layers, "weight_bytes": dims.weight_bytes, "tp": args.tp, "dtype": "bf16", "cases": []}
         # the device's copy bandwidth and matmul rate are timed in each case's rounds (copy_row, matmul_row)
         print(f"{dev}: weights {dims.weight_bytes / 2**30:.2f} GiB, {dims.layers} layers")

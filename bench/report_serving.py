@@ -1,5 +1,5 @@
 """Serving benchmark, one run, printed as tables (ratios against baselines measured in the same run), on the
-CPU or one GPU (issue item: greedy decode tokens/s for 128 new tokens vs transformers' generate, eager and
+CPU or one GPU (first of all: greedy decode tokens/s for 128 new tokens vs transformers' generate, eager and
 compiled static cache, tokens identical):
 
 1. greedy decode tokens/s at batch 1, --tokens (128) new tokens after a --prompt (16) token prompt: the

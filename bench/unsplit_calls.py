@@ -1,4 +1,4 @@
-"""The unsplit Hugging Face model's step, two ways, for table 1 (bench/report_runtime.py).
+"""The unsplit Hugging Face model's step, two ways, for the decode-step table (bench/report_runtime.py).
 
     logits = hf_call(model, ids, past)        # a DynamicCache of the past, built in the call
     logits = hf_call(model, ids, past, last_only=True)   # the last position's logits only [batch, 1, vocab]

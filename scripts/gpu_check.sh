@@ -1,22 +1,18 @@
 #!/usr/bin/env bash
-# One command per device call for a session that draws a GPU machine (device tool `run`): install
-# fastpipe, run one stage, and leave its logs and JSON results under $OUT.
+# Run fastpipe's GPU checks on a machine with a CUDA GPU: install fastpipe from this checkout, run the
+# named stages one after another, and leave their logs and JSON results under $OUT (default: gpu_out in
+# the checkout): machine.txt (GPU, driver, python, torch, CUDA, triton, cores), summary.txt (a line per
+# stage: its exit status, its time and its last line of output; the test counts), <stage>.log, and each
+# stage's files:
 #
-# The budget. A session has 15 minutes of device time in all: every start (1-2 min), call and idle wait
-# counts, a machine idle for 30 s goes back, and none starts with under 4 min left. So every stage ends
-# within GPU_CHECK_CALL_S (default 360 s) of this script's start, install included, and a second call of
-# the same size still fits on the warm machine (2 min start + 2 x (360 s + transfers) < 15 min). Call
-# `run` with timeout_s 400: a backstop only. Stages stop starting work in time and keep what they measured.
-#
-#   bash scripts/gpu_check.sh [tests]     # issue 15's acceptance in one call: the whole suite, once, on
-#                                         # the GPU machine (`pytest`; its cuda-marked part is `pytest -m
-#                                         # cuda`), files with cuda tests first; results.jsonl holds a line
+#   bash scripts/gpu_check.sh [tests]     # the whole suite, once (`pytest`; its cuda-marked part is `pytest
+#                                         # -m cuda`), files with cuda tests first; results.jsonl holds a line
 #                                         # per test as it ends, and summary.txt the counts for both, every
 #                                         # failure with its message, the slowest tests and a rerun line
 #   bash scripts/gpu_check.sh tests tests/test_fusion_gpu.py 'tests/x.py::t'   # (tests/cuda/plain: more
 #                                         # pytest arguments; the rerun line of a summary is such a call)
 #   bash scripts/gpu_check.sh cuda        # `pytest -m cuda` only;  plain: `pytest -m "not cuda"` only
-#   bash scripts/gpu_check.sh fused       # issue 16, table 3: bench/bench_fused_kernels.py -> fused.json; in
+#   bash scripts/gpu_check.sh fused       # fused kernels: bench/bench_fused_kernels.py -> fused.json; in
 #                                         # fused.log the smallest M where fused wins and whether the shipped
 #                                         # rule agrees, % of bf16 peak, targets; fusion_measured.json: the
 #                                         # rule's table from this run, this GPU's points only (docs/kernels.md
@@ -37,48 +33,51 @@
 #                                         # Llama-3-8B's MLP, tp 2, M 16 to 8192) -> shapes.json: per shape the
 #                                         # fused and unfused times, and whether the shipped grid's rule guessed
 #                                         # right; its tuned table's entries too (`--d 8192 --h 28672 --n 4`: 70B)
-#   bash scripts/gpu_check.sh runtime     # issue 16, table 1: bench/report_runtime.py -> runtime.json
+#   bash scripts/gpu_check.sh runtime     # decode step: bench/report_runtime.py -> runtime.json
 #                                         # (batch 1 first; `--batches 8` or `--batches 32` goes on)
-#   bash scripts/gpu_check.sh serving --sections 1       # issue 16, table 2: bench/report_serving.py
+#   bash scripts/gpu_check.sh serving --sections 1       # greedy decode: bench/report_serving.py
 #   bash scripts/gpu_check.sh serving --sections 2,3,4   # -> serving.json
-#   bash scripts/gpu_check.sh memory --sections load,memory   # issue 16, table 4: bench/report_memory.py
+#   bash scripts/gpu_check.sh memory --sections load,memory   # load and memory: bench/report_memory.py
 #   bash scripts/gpu_check.sh memory --sections pool          # -> memory.json (written after each row)
 #   bash scripts/gpu_check.sh bench       # the pytest-benchmark report (bench/report.py) -> bench.json
 #   bash scripts/gpu_check.sh real --geometry llama-3.1-8b --tp 2,1 --batches 1,8,32 --prompt-lens 512,2048
 #                                         # real size: bench/report_real_size.py -> real.json (the checkpoint
 #                                         # written under GPU_CHECK_REAL_DIR, default /tmp/fastpipe_real, once)
 #   bash scripts/gpu_check.sh scale --checkpoint /tmp/fastpipe_real/llama-3.1-8b --sections load --device cuda:0
-#                                         # build and load at real size: bench/report_scale.py -> scale.json
+#                                         # build and load at scale: bench/report_scale.py -> scale.json
 # Every stage passes further arguments on (to pytest, or to the report script).
 #
-# Several stages in one call, one after another, their arguments split at each lone '+':
-#   GPU_CHECK_CALL_S=540 bash scripts/gpu_check.sh tests+fused+runtime       # (run's timeout_s 600)
+# Several stages in one call, one after another, their arguments split at each lone '+' (a first word
+# 'a+b+c' is stages a, b and c, the arguments after it c's):
+#   GPU_CHECK_CALL_S=540 bash scripts/gpu_check.sh tests+fused+runtime
 #   GPU_CHECK_CALL_S=540 bash scripts/gpu_check.sh tune+shapes
 #   bash scripts/gpu_check.sh fused --nk 8192 + runtime --batches 1
-# One call saves what each further call costs: the gaps between calls while the session reads the
-# last one's results, which count as device time (and past 30 s idle the machine goes back, and the
-# next call starts a new one, 1 to 2 min), the transfers, the install. The stages share the call's
-# budget (GPU_CHECK_CALL_S, from the script's start): each gets what the ones before it left, and a
-# stage after the first starts only with GPU_CHECK_STAGE_MIN_S (60 s) left ("not started" in the
-# summary, and the call is red). A stage runs at most once a call. A stage that fails does not stop
-# the next: each stage's line in summary.txt says how it ended, and the exit status is 1 if any failed.
-# Where the stages leave more than 8 files, the logs are packed into logs.tar.gz (then, if need be, all
-# but summary.txt into all.tar.gz).
+# A stage runs at most once a call (an unknown or repeated stage: exit status 2, nothing run). A stage
+# that fails does not stop the next: each stage's line in summary.txt says how it ended, and the exit
+# status is 1 if any failed (or CUDA is unavailable).
 #
-# A device session runs `tests` first (issue 15: correctness before numbers), then, in the same call,
-# `fused` and `runtime` (table 1, never run on a GPU); BENCHMARKS.md's plan says what comes next and
-# what a second, short call on the still-warm machine runs. Later sessions go on from there.
-# The machine has python3 with torch, triton, safetensors, pytest, pytest-benchmark and no network
-# (its image also had transformers, hypothesis, pytest-xdist and pytest-timeout on 2026-11-17; each
-# is checked here). Tests needing what is absent are left out and listed in $OUT/summary.txt. With
-# pytest-xdist the tests run on (cores - 2) workers, at most 14, spread test by test (--dist worksteal;
-# loadfile, each file whole on one worker, with pytest-xdist < 3.2);
-# with pytest-timeout a test running past 300 s fails (its stacks in results.jsonl) and the rest go on.
-# At most 8 files come back from $OUT: machine.txt, summary.txt, <stage>.log, results.jsonl (tests
-# stages), and the stage's JSON (bench.json, fused.json + fusion_measured.json, tune.json +
-# tuned_configs.json, shapes.json, runtime.json, serving.json, memory.json, real.json, scale.json); packed as above where a call's stages
-# leave more. GPU_CHECK_NO_INSTALL=1 skips the install (the CPU test of this script); GPU_CHECK_PLAN=1
-# prints each stage the call would run, with its arguments, and runs nothing.
+# Time. GPU_CHECK_CALL_S (default 360) is a wall-clock limit, in seconds, for the whole call, counted
+# from the script's start, install included. The stages share it: each gets what the ones before it
+# left, less a margin for what follows it; each stops starting work in time (the bench scripts'
+# --budget-s) and at its limit gets SIGINT (SIGKILL 20 s later), and keeps what it measured: pytest and
+# the bench scripts write their results as they go. A stage after the first starts only with
+# GPU_CHECK_STAGE_MIN_S (default 60) seconds left ("not started" in the summary, and the call is red).
+# Whatever runs this script may give it a limit a little above GPU_CHECK_CALL_S as a backstop.
+#
+# Files: machine.txt, summary.txt, <stage>.log, results.jsonl (tests stages), and the stages' JSON
+# (bench.json, fused.json + fusion_measured.json, tune.json + tuned_configs.json, shapes.json, runtime.json,
+# serving.json, memory.json, real.json, scale.json). Where the stages leave more than 8 files, the logs are
+# packed into logs.tar.gz (then, where there are still more than 8, all but summary.txt into all.tar.gz).
+# scripts/ingest_gpu_check.py brings such a folder into the repository.
+#
+# Needs python3 with torch, triton, safetensors, pytest and pytest-benchmark; no network. Optional, each
+# checked here: transformers (without it the Hugging Face tests skip themselves), hypothesis (without it
+# tests/test_fuzz.py is left out, and summary.txt lists it), pytest-xdist (the tests run on (cores - 2)
+# workers, at most 14, spread test by test: --dist worksteal; loadfile, each file whole on one worker,
+# with pytest-xdist < 3.2), pytest-timeout (a test running past 300 s fails, its stacks in results.jsonl,
+# and the rest go on). Where the install fails (install.log), the stages run from the source tree.
+# GPU_CHECK_NO_INSTALL=1 skips the install (the CPU tests of this script use it); GPU_CHECK_PLAN=1 prints
+# each stage the call would run, with its arguments, and runs nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -160,7 +159,7 @@ python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || {
   cuda_ok=0
   echo "CUDA unavailable on this machine: the cuda tests skip, and the stage fails" | tee -a "$summary"; }
 
-left() {  # seconds left of the call's budget, less a margin for what follows the stage
+left() {  # seconds left of the call's time limit, less a margin for what follows the stage
   echo $(( CALL_S - SECONDS - $1 ))
 }
 
@@ -279,7 +278,7 @@ for i in "${!names[@]}"; do
 done
 [ $cuda_ok = 1 ] || rc=1
 
-# at most 8 files come back from $OUT: past that, the logs go into one archive, then all but the summary
+# more than 8 files in $OUT: the logs go into one archive, then (still more than 8) all but the summary
 count() { find "$OUT" -type f | wc -l; }
 if [ "$(count)" -gt 8 ]; then
   (cd "$OUT" && find . -maxdepth 1 -type f -name '*.log' -printf '%P\n' | sort | tar -czf logs.tar.gz -T - \

@@ -1,28 +1,35 @@
-"""Bring a GPU call's results (``scripts/gpu_check.sh``'s $OUT, as the device tool hands it back) into the repository,
-as BENCHMARKS.md's plan says to, in one step:
+"""Bring the results of a ``scripts/gpu_check.sh`` call (the folder holding its $OUT) into the repository, in one step:
 
-    python scripts/ingest_gpu_check.py /work/.device/3/out            # writes, and prints what it did
-    python scripts/ingest_gpu_check.py /work/.device/3/out --dry-run  # prints only
+    python scripts/ingest_gpu_check.py gpu_out            # writes, and prints what it did
+    python scripts/ingest_gpu_check.py gpu_out --dry-run  # prints only
 
-- Archives (logs.tar.gz, all.tar.gz) are unpacked into a temporary copy (the folder handed back is read-only).
-- ``fused.json`` (the `fused` stage, table 3) -> ``bench/measured/fused_<gpu>_<date>.json`` (``<gpu>``: the GPU's
-  model, "h100" for "NVIDIA H100 80GB HBM3"; ``_2``, ``_3`` for a later run of the same day), and the shipped
-  rule, ``fastpipe/kernels/fusion_measured.json``, written again from every committed result file, oldest
+- Archives (logs.tar.gz, all.tar.gz) are unpacked into a temporary copy (the folder itself is not written to).
+- ``fused.json`` (the `fused` stage: fused kernels) -> ``bench/measured/fused_<gpu>_<date>.json`` (``<gpu>``: the
+  GPU's model, "h100" for "NVIDIA H100 80GB HBM3"; ``_2``, ``_3`` for a later run of the same day), and the
+  shipped rule, ``fastpipe/kernels/fusion_measured.json``, written again from every committed result file, oldest
   first (by its machine's date, then its name): what ``bench_fused_kernels.py --threshold ... --write-rule``
   makes, and what tests/test_fusion_rule.py checks it against.
 - ``tuned_configs.json`` (the `tune` stage) -> merged into ``fastpipe/kernels/tuned_configs.json``: its entries
   replace those of the same GPU, launcher, dtype and shape; the others (another GPU's) stay.
 - ``shapes.json`` (the `shapes` stage) -> ``bench/measured/shapes_<gpu>_<date>.json``.
-- ``runtime.json``, ``serving.json``, ``memory.json`` (issue 16's tables 1, 2 and 4) ->
-  ``bench/measured/<stage>_<gpu>_<date>.json``, with a line per case or section: table 1's verdicts against its
-  targets, the cases its budget left, the fastpipe rows that failed; tables 2 and 4's sections, their rows and
-  errors. The tables themselves are in the stage's log (``<stage>.log``, in logs.tar.gz) as BENCHMARKS.md takes
-  them.
-- ``summary.txt``: its count lines are printed, for BENCHMARKS.md's "The suite on a GPU".
+- ``runtime.json`` (decode step), ``serving.json`` (greedy decode), ``memory.json`` (load and memory) ->
+  ``bench/measured/<stage>_<gpu>_<date>.json``, with a line per case or section: the decode-step cases' verdicts
+  against their targets, the cases --budget-s left out, the fastpipe rows that failed; the serving and memory
+  sections, their rows and errors. The tables themselves are in the stage's log (``<stage>.log``, in
+  logs.tar.gz).
+- ``real.json`` (the `real` stage: real size, bench/report_real_size.py) ->
+  ``bench/measured/real_size_<gpu>_<model>_<date>.json`` (``<model>``: its checkpoint's geometry), with a line
+  per case: its logits check, and each fastpipe row's time against the faster baseline and its fraction of the
+  device's copy bandwidth (decode) or matmul rate (prefill), each against its target; the rows that failed,
+  the cases not started.
+- ``scale.json`` (the `scale` stage: build and load at scale, bench/report_scale.py) ->
+  ``bench/measured/scale_<gpu>_<model>_<date>.json``, with a line per section (build, serve, load) and its
+  verdicts.
+- ``summary.txt``: its count lines are printed.
 
-Nothing else is touched: the BENCHMARKS.md prose and the tests that quote a GPU's numbers are a person's to
-write. Exit 2 where the folder holds none of these, or a file is not what its stage writes; then nothing is
-written (every file is read and checked before the first write).
+Nothing else is touched: after a run that wrote, ``python -m bench.results_page`` renders BENCHMARKS.md from
+bench/measured. Exit 2 where the folder holds none of these, or a file is not what its stage writes; then
+nothing is written (every file is read and checked before the first write).
 """
 from __future__ import annotations
 
@@ -63,6 +70,12 @@ def unpacked(folder: Path, into: Path) -> Path:
             else:
                 tar.extractall(out)
     return out
+
+
+def model_name(doc: dict) -> str:
+    """The checkpoint's geometry in a real-size result's file name: its "geometry", else its checkpoint folder's name."""
+    name = doc.get("geometry") or Path(str(doc.get("checkpoint", "model"))).name
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", name) or "model"
 
 
 def free_name(folder: Path, stem: str) -> Path:
@@ -134,23 +147,24 @@ def ingest(folder: Path, root: Path, dry_run: bool) -> list[str]:
             dest = free_name(measured_dir, f"shapes_{gpu_slug(machine['device'])}_{machine.get('date', 'undated')}")
             lines.append(f"shapes.json -> {dest.relative_to(root)} ({len(doc['points'])} points)")
             writes.append((dest, shapes.read_text()))
-        for stage, describe in REPORTS.items():
+        for stage, (script, stem, describe) in REPORTS.items():
             path = out / f"{stage}.json"
             if not path.exists():
                 continue
             doc = json.loads(path.read_text())
             machine = (doc.get("machine") or {}) if isinstance(doc, dict) else {}
             if not machine.get("device") or not machine.get("date"):
-                raise ValueError(f"{stage}.json: expected bench/report_{stage}.py's result (machine.device, "
+                raise ValueError(f"{stage}.json: expected bench/{script}.py's result (machine.device, "
                                  f"machine.date), found {str(doc)[:80]}")
             said = describe(doc)
-            dest = free_name(measured_dir, f"{stage}_{gpu_slug(machine['device'])}_{machine['date']}")
+            model = f"_{model_name(doc)}" if stem in ("real_size", "scale") else ""   # the results page reads it
+            dest = free_name(measured_dir, f"{stem}_{gpu_slug(machine['device'])}{model}_{machine['date']}")
             lines.append(f"{stage}.json -> {dest.relative_to(root)} ({machine['device']} {machine['date']})")
             lines += [f"{stage}.json: {ln}" for ln in said]
             writes.append((dest, path.read_text()))
     if not any("->" in ln for ln in lines):
-        raise ValueError(f"{folder}: expected fused.json, tuned_configs.json, shapes.json, runtime.json, serving.json "
-                         "or memory.json (or archives holding them), found none")
+        raise ValueError(f"{folder}: expected fused.json, tuned_configs.json, shapes.json, runtime.json, "
+                         "serving.json, memory.json, real.json or scale.json (or archives holding them), found none")
     if not dry_run:                     # only once every file was read and checked: a bad one writes nothing
         for dest, text in writes:
             write_text(dest, text)
@@ -158,7 +172,8 @@ def ingest(folder: Path, root: Path, dry_run: bool) -> list[str]:
 
 
 def runtime_lines(doc: dict) -> list[str]:
-    """Table 1 (bench/report_runtime.py): per case its verdicts, then the cases not run and the rows that failed."""
+    """The decode-step table (bench/report_runtime.py): per case its verdicts, then the cases not run and the rows
+    that failed."""
     from bench.report_runtime import verdict_lines
 
     if not isinstance(doc.get("cases"), list):
@@ -180,7 +195,8 @@ def runtime_lines(doc: dict) -> list[str]:
 
 
 def sections_lines(doc: dict, stage: str) -> list[str]:
-    """Tables 2 and 4 (bench/report_serving.py, bench/report_memory.py): a line per section, its rows and errors."""
+    """The serving and memory tables (bench/report_serving.py, bench/report_memory.py): a line per section, its rows
+    and errors."""
     sections = doc.get("sections")
     if not isinstance(sections, dict):
         raise ValueError(f"{stage}.json: expected report_{stage}'s sections (an object), found {str(doc)[:80]}")
@@ -188,7 +204,7 @@ def sections_lines(doc: dict, stage: str) -> list[str]:
     for key, sec in sections.items():
         rows = sec.get("rows") or []
         errors = [r["error"] for r in rows if isinstance(r, dict) and r.get("error")]
-        errors += [f"{r.get('variant', '?')}: tokens {r['tokens']}" for r in rows   # table 2's tokens vs the reference
+        errors += [f"{r.get('variant', '?')}: tokens {r['tokens']}" for r in rows   # serving: tokens vs the reference
                    if isinstance(r, dict) and str(r.get("tokens", "")).startswith("DIFFER")]
         if sec.get("error"):
             errors.insert(0, sec["error"])
@@ -203,14 +219,105 @@ def sections_lines(doc: dict, stage: str) -> list[str]:
     return lines or ["no section finished"]
 
 
-REPORTS = {"runtime": runtime_lines,
-           "serving": lambda doc: sections_lines(doc, "serving"),
-           "memory": lambda doc: sections_lines(doc, "memory")}
+def _met(met) -> str:
+    return "met" if met else "NOT met"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def real_lines(doc: dict) -> list[str]:
+    """Real size (bench/report_real_size.py): a line per case, its logits check and each fastpipe row's verdicts
+    against their targets, the rows that failed; then the cases not started."""
+    if not isinstance(doc.get("cases"), list):
+        raise ValueError(f"real.json: expected report_real_size's cases (a list), found {str(doc)[:80]}")
+    lines = []
+    for case in doc["cases"]:
+        title = (f"decode, batch {case.get('batch')}, {case.get('positions')} cache positions"
+                 if case.get("case") == "decode" else f"prefill, batch {case.get('batch', 1)}, prompt "
+                 f"{case.get('prompt_len')}")
+        v = case.get("verdicts")
+        if not isinstance(v, dict):
+            lines.append(f"{title}: no verdicts")
+            continue
+        said = [f"logits {'ok' if v.get('logits_ok') else 'NOT ok'}"]
+        for label, mine in (v.get("rows") or {}).items():
+            parts = []
+            if "vs_faster_baseline" in mine:
+                b = mine["vs_faster_baseline"]
+                parts.append(f"{b['ratio']:.2f}x the faster baseline's time ({b['baseline']}; target <= "
+                             f"{b['target']:g}x: {_met(b['met'])})")
+            for key, what in (("bandwidth_fraction", "the device's copy bandwidth"),
+                              ("matmul_fraction", "the bf16 matmul rate")):
+                if key in mine:
+                    f = mine[key]
+                    parts.append(f"{100 * f['value']:.0f}% of {what} (target >= {100 * f['target']:.0f}%: "
+                                 f"{_met(f['met'])})")
+            said.append(f"{label}: {', '.join(parts) or 'no verdict'}")
+        if not v.get("rows"):
+            said.append("no fastpipe row timed")
+        failed = [f"{r.get('label', '?')}: {r['error']}" for r in case.get("rows") or []
+                  if isinstance(r, dict) and r.get("error")]
+        if failed:
+            said.append(f"FAILED: {'; '.join(failed)}")
+        lines.append(f"{title}: {'; '.join(said)}")
+    if doc.get("not_started"):
+        lines.append(f"not started (the budget): {', '.join(doc['not_started'])}")
+    return lines or ["no case finished"]
+
+
+def _scale_row(r: dict) -> str:
+    if r.get("label"):
+        return r["label"]
+    return f"tp={r['tp']} pp={r.get('pp')}" if "tp" in r else r.get("section", "?")
+
+
+def scale_lines(doc: dict) -> list[str]:
+    """Build and load at scale (bench/report_scale.py): a line per section (build, serve, load) with its verdicts
+    against their targets, and the rows refused or failed."""
+    v = doc.get("verdicts")
+    if not isinstance(v, dict):
+        raise ValueError(f"scale.json: expected report_scale's verdicts (an object), found {str(doc)[:80]}")
+    rows = [r for r in doc.get("rows") or [] if isinstance(r, dict)]
+    lines = []
+    for sec in ("build", "serve", "load"):
+        errors = [f"{_scale_row(r)}: {r['error']}" for r in rows if r.get("section") == sec and r.get("error")]
+        said = []
+        if sec in ("build", "serve") and isinstance(v.get(sec), dict):
+            b = v[sec]
+            said.append(f"at most {b['max_s']:.1f} s, peak RSS at most {_gib(b['max_peak'])} "
+                        f"({_gib(b['max_over_imports'])} over imports), {_gib(b['weight_bytes_copied'])} of weights "
+                        f"copied (targets < 60 s, < 2 GiB, none copied: {_met(b['met'])})")
+        if sec == "load" and "load_time_ratio" in v:
+            said.append(f"{v['load_time_ratio']:.2f}x safetensors' time (target <= 1.2x: {_met(v['load_time_met'])})")
+            limit = _gib(v["weights"] + v["largest_group"])
+            said.append(f"peak RSS {_gib(v['load_peak_over_imports'])} over imports (target <= the weights + the "
+                        f"largest merged group, {limit}: {_met(v['load_peak_met'])})")
+            if "load_held" in v:
+                said.append(f"device memory held {_gib(v['load_held'])} (target within 5% of the weights + the KV "
+                            f"cache, {_gib(v['load_held_expected'])}: {_met(v['load_held_met'])})")
+            elif "load_rss_after_over_imports" in v:
+                said.append(f"RSS after the load {_gib(v['load_rss_after_over_imports'])} over imports (the weights + "
+                            f"the KV cache: {_gib(v['load_held_expected'])})")
+        if errors:
+            said.append(f"refused or failed: {'; '.join(errors)}")
+        if said:
+            lines.append(f"{sec}: {'; '.join(said)}")
+    return lines or ["no section finished"]
+
+
+REPORTS = {          # stage: (its bench script, its files' stem in bench/measured, its lines)
+    "runtime": ("report_runtime", "runtime", runtime_lines),
+    "serving": ("report_serving", "serving", lambda doc: sections_lines(doc, "serving")),
+    "memory": ("report_memory", "memory", lambda doc: sections_lines(doc, "memory")),
+    "real": ("report_real_size", "real_size", real_lines),
+    "scale": ("report_scale", "scale", scale_lines)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("folder", help="the folder a gpu_check.sh call's $OUT came back in (the device tool's files_at)")
+    ap.add_argument("folder", help="the folder holding a gpu_check.sh call's $OUT")
     ap.add_argument("--root", default=str(ROOT), help="the repository to write into (default: this one)")
     ap.add_argument("--dry-run", action="store_true", help="print what would be written, write nothing")
     args = ap.parse_args(argv)
@@ -221,6 +328,8 @@ def main(argv=None) -> int:
         return 2
     for ln in lines:
         print(("(dry run) " if args.dry_run else "") + ln)
+    if not args.dry_run:
+        print("then: python -m bench.results_page (renders BENCHMARKS.md from bench/measured)")
     return 0
 
 

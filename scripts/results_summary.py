@@ -1,12 +1,12 @@
-"""Summarise a --results-jsonl file (tests/run_log.py) in a few lines a device session can act on at once.
+"""Summarise a --results-jsonl file (tests/run_log.py): whether the run finished, its counts, its failures.
 
     python scripts/results_summary.py OUT/results.jsonl [--slowest 10] [--expect-cuda]
 
-Prints: whether the run finished, and how many collected tests have no result (a run stopped at the
-call's limit: pytest-xdist interrupted may still write its 'finished' line with exit status 0);
-counts by outcome for the whole suite and for the cuda-marked tests (issue 15's two acceptance runs,
-`pytest` and `pytest -m cuda`, from one run); every failure and error with its one-line message; the
-reasons cuda-marked tests were skipped; the slowest tests; and a rerun line of the failing node ids.
+Prints: whether the run finished, and how many collected tests have no result (a run stopped at a
+time limit: pytest-xdist interrupted may still write its 'finished' line with exit status 0); counts
+by outcome for the whole suite and for the cuda-marked tests (what `pytest` and `pytest -m cuda` would
+report, from one run); every failure and error with its one-line message; the reasons cuda-marked
+tests were skipped; the slowest tests; and a rerun line of the failing node ids.
 Exit status: 0 when the run finished with no failure or error (and, with --expect-cuda, as on the GPU
 machine, no cuda-marked test was skipped for want of a GPU, and some passed where any ran), else 1; 2: unreadable.
 """

@@ -1,4 +1,4 @@
-"""A pytest plugin for test runs on a lent GPU machine, where one call is all a session may get.
+"""A pytest plugin for test runs under a time limit (scripts/gpu_check.sh's tests stages on a GPU machine).
 scripts/gpu_check.sh runs ``python3 -m tests.run_log ARGS``: pytest with this plugin, SIGINT raising
 KeyboardInterrupt even where the call was started with SIGINT ignored (a background job), so that at the
 call's limit pytest ends its session and writes its last line. The plain suite does not load it.

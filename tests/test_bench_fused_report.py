@@ -1,4 +1,4 @@
-"""bench/bench_fused_kernels.py's report: the GPU's peak by name, issue 16's per-row targets, and a
+"""bench/bench_fused_kernels.py's report: the GPU's peak by name, the per-row targets, and a
 smoke run of the whole script under the Triton interpreter (every variant checked)."""
 import dataclasses
 import json

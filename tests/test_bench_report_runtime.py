@@ -1,4 +1,4 @@
-"""bench/report_runtime.py (issue 16's runtime table) runs end to end on the CPU, checks every row's
+"""bench/report_runtime.py (decode-step and prefill timings) runs end to end on the CPU, checks every row's
 logits against the unsplit model, and states its targets from the rows it measured."""
 import functools
 import json
@@ -98,9 +98,9 @@ def _past_of(cache):
 
 @pytest.mark.parametrize("new", [1, 3])
 def test_unsplit_steps_match_the_model_over_the_whole_sequence(new):
-    """Table 1's unsplit rows: a step on a DynamicCache built per call and on a StaticCache filled once give the
-    logits of the model run over the whole sequence without a cache; the static step again and again (each call
-    rewinds the cache to the past: without, the second call writes past the cache's end)."""
+    """The runtime report's unsplit rows: a step on a DynamicCache built per call and on a StaticCache filled once
+    give the logits of the model run over the whole sequence without a cache; the static step again and again (each
+    call rewinds the cache to the past: without, the second call writes past the cache's end)."""
     import torch
 
     from bench.unsplit_calls import StaticStep, hf_call

@@ -1,9 +1,9 @@
-"""The GPU paths of issue 16's report scripts (tables 1, 2 and 4), at --quick sizes, on a GPU (marked `cuda`).
+"""The GPU paths of the runtime, serving and memory report scripts, at --quick sizes, on a GPU (marked `cuda`).
 
 Their CPU paths run in CI (tests/test_bench_report_runtime.py, _serving.py, _memory.py); what only a GPU runs --
 the cuda processor's streams and replay, the engine's captured decode step, measured peak memory, graph pools --
-runs here, in the device call's `tests` stage, so a broken GPU path shows up there (with its traceback) before
-a stage spends its minutes on the full-size run. Each script checks its own numerics (logits against float32,
+runs here, in scripts/gpu_check.sh's `tests` stage, so a broken GPU path shows up there (with its traceback)
+before a stage spends its minutes on the full-size run. Each script checks its own numerics (logits against float32,
 tokens against transformers); these tests check that every row ran, replayed where it should, and passed.
 """
 import json
@@ -26,8 +26,8 @@ def _script(name: str, tmp_path, *args) -> tuple[dict, str]:
 
 
 def test_runtime_table_on_a_gpu(tmp_path):
-    """Table 1, decode at batch 1: every fastpipe variant and the unsplit model ran and matched float32; the replay
-    rows replayed; the targets' ratios were computed (not met or missed: that is the full-size run's)."""
+    """The runtime report, decode at batch 1: every fastpipe variant and the unsplit model ran and matched float32;
+    the replay rows replayed; the targets' ratios were computed (not met or missed: that is the full-size run's)."""
     pytest.importorskip("transformers")
     doc, _ = _script("runtime", tmp_path, "--device", "cuda", "--quick", "--cases", "decode")
     (case,) = doc["cases"]
@@ -51,8 +51,8 @@ def test_runtime_table_on_a_gpu(tmp_path):
 
 
 def test_serving_table_on_a_gpu(tmp_path):
-    """Table 2, eager (--no-compile): the engine with its decode step captured and replayed, and without, against
-    transformers' generate; continuous batching; memory per token; buckets' weights."""
+    """The serving report, eager (--no-compile): the engine with its decode step captured and replayed, and without,
+    against transformers' generate; continuous batching; memory per token; buckets' weights."""
     pytest.importorskip("transformers")
     doc, _ = _script("serving", tmp_path, "--device", "cuda", "--quick", "--no-compile")
     assert doc["status"] == "done" and doc["failed_sections"] == [], doc["failed_sections"]
@@ -67,8 +67,8 @@ def test_serving_table_on_a_gpu(tmp_path):
 
 
 def test_memory_table_on_a_gpu(tmp_path):
-    """Table 4, tiny (--quick, eager regions): loads onto the GPU timed against safetensors; the measured peak of
-    each processor's run beside the plan's; 3 buckets' graphs in one pool against one."""
+    """The load and memory report, tiny (--quick, eager regions): loads onto the GPU timed against safetensors; the
+    measured peak of each processor's run beside the plan's; 3 buckets' graphs in one pool against one."""
     pytest.importorskip("transformers")
     doc, _ = _script("memory", tmp_path, "--device", "cuda", "--quick", "--compile", "off", "--tmp", str(tmp_path))
     assert list(doc["sections"]) == ["load", "memory", "pool"] and doc["device"].startswith("cuda")

@@ -1,6 +1,6 @@
-"""scripts/ingest_gpu_check.py: a gpu_check call's $OUT brought into the repository as BENCHMARKS.md's plan says --
-the raw fused rows under bench/measured/, the shipped rule written again from every committed run (oldest first),
-tuned configs merged, the shapes copied -- on a made-up H100 call built from the committed H200 run."""
+"""scripts/ingest_gpu_check.py: a gpu_check call's $OUT brought into the repository -- the raw fused rows under
+bench/measured/, the shipped rule written again from every committed run (oldest first), tuned configs merged, the
+shapes and the report scripts' results copied -- on a made-up H100 call built from the committed H200 run."""
 from __future__ import annotations
 
 import io
@@ -15,6 +15,7 @@ from tests.examples import ROOT
 
 H200 = ROOT / "bench" / "measured" / "fused_h200_2026-11-26.json"
 SCRIPT = ROOT / "scripts" / "ingest_gpu_check.py"
+THEN = "then: python -m bench.results_page (renders BENCHMARKS.md from bench/measured)"
 
 
 def _repo(tmp_path):
@@ -72,7 +73,8 @@ def test_ingest_writes_the_runs_files_and_the_rule_from_every_committed_run(tmp_
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before          # wrote nothing
     done = _run(out, "--root", root)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == dry.stdout.replace("(dry run) ", "")
+    assert done.stdout == dry.stdout.replace("(dry run) ", "") + THEN + "\n"        # the next step, once written
+    assert THEN not in dry.stdout
     measured = root / "bench" / "measured"
     new = measured / "fused_h100_2026-12-01.json"
     assert json.loads(new.read_text()) == fused
@@ -113,8 +115,8 @@ def test_ingest_refuses_a_folder_without_results_and_a_bad_file(tmp_path):
 
 
 def _report_docs():
-    """What report_runtime/serving/memory write, in brief: table 1 cut by its budget after a decode case, table 2 with a
-    section whose tokens differ, table 4 with an error row."""
+    """What report_runtime/serving/memory write, in brief: the decode-step report cut by its budget after a decode
+    case, the serving report with a section whose tokens differ, the memory report with an error row."""
     machine = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-01", "torch": "2.11.0+cu130"}
     runtime = {"machine": machine, "args": {}, "not_run": ["decode batch 8"], "failed": [], "cases": [
         {"title": "decode step, batch 1, 1 token over 128 cached", "step": "decode", "batch": 1, "rows": [],
@@ -131,7 +133,7 @@ def _report_docs():
     return {"runtime": runtime, "serving": serving, "memory": memory}
 
 
-def test_ingest_copies_tables_1_2_and_4_and_says_their_verdicts(tmp_path):
+def test_ingest_copies_the_runtime_serving_and_memory_reports_and_says_their_verdicts(tmp_path):
     root = _repo(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
@@ -176,4 +178,135 @@ def test_ingest_copies_tables_1_2_and_4_and_says_their_verdicts(tmp_path):
     before = sorted(p.name for p in (root / "bench" / "measured").iterdir())
     bad = _run(out, "--root", root)
     assert bad.returncode == 2 and "memory.json: expected report_memory's sections (an object)" in bad.stderr
+    assert sorted(p.name for p in (root / "bench" / "measured").iterdir()) == before
+
+
+MACHINE = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-01", "torch": "2.11.0+cu130"}
+
+
+def _real_doc():
+    """What bench/report_real_size.py writes, in brief: a decode case (one fastpipe row meets both targets, one
+    misses its bandwidth target), a prefill case with a failed row, and a case --budget-s did not start."""
+    fp1, fp2 = "fastpipe tp=1, region processor", "fastpipe tp=2, region processor"
+    decode = {"case": "decode", "batch": 1, "positions": 256, "copy_bandwidth_gb_s": 3000.0, "rows": [
+        {"label": fp1, "median_s": 0.005, "error": None}, {"label": fp2, "median_s": 0.006, "error": None},
+        {"label": "gpt-fast style, compiled", "median_s": 0.0055, "error": None}],
+        "verdicts": {"logits_ok": True, "rows": {
+            fp1: {"vs_faster_baseline": {"ratio": 0.91, "baseline": "gpt-fast style, compiled", "target": 1.05,
+                                         "met": True},
+                  "bandwidth_fraction": {"value": 0.72, "target": 0.6, "met": True}},
+            fp2: {"vs_faster_baseline": {"ratio": 1.09, "baseline": "gpt-fast style, compiled", "target": 1.05,
+                                         "met": False},
+                  "bandwidth_fraction": {"value": 0.55, "target": 0.6, "met": False}}}}}
+    prefill = {"case": "prefill", "batch": 1, "prompt_len": 2048, "matmul_tflop_s": 700.0, "rows": [
+        {"label": fp1, "median_s": 0.2, "error": None},
+        {"label": fp2, "median_s": None, "error": "OutOfMemoryError: CUDA out of memory"},
+        {"label": "transformers static, compiled", "median_s": 0.21, "error": None}],
+        "verdicts": {"logits_ok": False, "rows": {
+            fp1: {"vs_faster_baseline": {"ratio": 0.95, "baseline": "transformers static, compiled", "target": 1.05,
+                                         "met": True},
+                  "matmul_fraction": {"value": 0.64, "target": 0.6, "met": True}}}}}
+    return {"machine": MACHINE, "checkpoint": "/tmp/fastpipe_real/llama-3.1-8b", "geometry": "llama-3.1-8b",
+            "layers": 32, "weight_bytes": 16 * 2**30, "tp": [1, 2], "dtype": "bf16", "cases": [decode, prefill],
+            "not_started": ["decode, batch 32"]}
+
+
+def _scale_doc():
+    """What bench/report_scale.py writes, in brief: build met, serve over its time target with a refused layout,
+    load on a GPU (time met, device memory held not)."""
+    w, grp = 16 * 2**30, 2**30
+    build = {"max_s": 22.5, "max_peak": 2**29, "max_over_imports": 2**28, "weight_bytes_copied": 0, "refused": [],
+             "met": True}
+    serve = {**build, "max_s": 125.0, "refused": ["tp=8 pp=1"], "met": False}
+    return {"machine": MACHINE, "checkpoint": "llama-3.1-8b", "max_len": 1024, "device": "cuda:0",
+            "rows": [{"section": "build", "tp": 1, "pp": 1, "s": 22.5},
+                     {"section": "serve", "tp": 8, "pp": 1, "error": "BuildError: tp: expected a divisor"},
+                     {"section": "load", "round": 0, "label": "fastpipe.load tp=2", "s": 3.0}],
+            "verdicts": {"weights": w, "largest_group": grp, "build": build, "serve": serve,
+                         "load_time_ratio": 1.1, "load_time_met": True, "load_peak_over_imports": 2**30,
+                         "load_peak_met": True, "load_held_expected": w + 2**27, "load_held": w + 2**30,
+                         "load_held_met": False}}
+
+
+def test_ingest_copies_the_real_size_report_and_says_each_cases_verdicts(tmp_path):
+    root = _repo(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    doc = _real_doc()
+    (out / "real.json").write_text(json.dumps(doc))
+    dry = _run(out, "--root", root, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert not (root / "bench" / "measured" / "real_size_h100_llama-3.1-8b_2026-12-01.json").exists()
+    done = _run(out, "--root", root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == dry.stdout.replace("(dry run) ", "") + THEN + "\n"
+    assert json.loads((root / "bench" / "measured" / "real_size_h100_llama-3.1-8b_2026-12-01.json").read_text()) == doc
+    lines = done.stdout.splitlines()
+    assert lines[0] == "real.json -> bench/measured/real_size_h100_llama-3.1-8b_2026-12-01.json (NVIDIA H100 80GB HBM3 2026-12-01)"
+    assert lines[1] == (
+        "real.json: decode, batch 1, 256 cache positions: logits ok; fastpipe tp=1, region processor: 0.91x the "
+        "faster baseline's time (gpt-fast style, compiled; target <= 1.05x: met), 72% of the device's copy bandwidth "
+        "(target >= 60%: met); fastpipe tp=2, region processor: 1.09x the faster baseline's time (gpt-fast style, "
+        "compiled; target <= 1.05x: NOT met), 55% of the device's copy bandwidth (target >= 60%: NOT met)")
+    assert lines[2] == (
+        "real.json: prefill, batch 1, prompt 2048: logits NOT ok; fastpipe tp=1, region processor: 0.95x the faster "
+        "baseline's time (transformers static, compiled; target <= 1.05x: met), 64% of the bf16 matmul rate (target "
+        ">= 60%: met); FAILED: fastpipe tp=2, region processor: OutOfMemoryError: CUDA out of memory")
+    assert lines[3:] == ["real.json: not started (the budget): decode, batch 32", THEN]
+    # a second run of the same day gets its own file; a file that is not report_real_size's writes nothing
+    assert _run(out, "--root", root).returncode == 0
+    assert (root / "bench" / "measured" / "real_size_h100_llama-3.1-8b_2026-12-01_2.json").exists()
+    before = sorted(p.name for p in (root / "bench" / "measured").iterdir())
+    (out / "real.json").write_text(json.dumps({"machine": MACHINE, "rows": []}))
+    bad = _run(out, "--root", root)
+    assert bad.returncode == 2 and "real.json: expected report_real_size's cases (a list)" in bad.stderr
+    (out / "real.json").write_text(json.dumps({**doc, "machine": {"device": "NVIDIA H100 80GB HBM3"}}))
+    bad = _run(out, "--root", root)
+    assert bad.returncode == 2 and "real.json: expected bench/report_real_size.py's result (machine.device, " \
+        "machine.date)" in bad.stderr
+    assert sorted(p.name for p in (root / "bench" / "measured").iterdir()) == before
+
+
+def test_ingest_copies_the_scale_report_and_says_each_sections_verdicts(tmp_path):
+    root = _repo(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    doc = _scale_doc()
+    (out / "scale.json").write_text(json.dumps(doc))
+    done = _run(out, "--root", root)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((root / "bench" / "measured" / "scale_h100_llama-3.1-8b_2026-12-01.json").read_text()) == doc
+    assert done.stdout.splitlines() == [
+        "scale.json -> bench/measured/scale_h100_llama-3.1-8b_2026-12-01.json (NVIDIA H100 80GB HBM3 2026-12-01)",
+        "scale.json: build: at most 22.5 s, peak RSS at most 0.50 GiB (0.25 GiB over imports), 0.00 GiB of weights "
+        "copied (targets < 60 s, < 2 GiB, none copied: met)",
+        "scale.json: serve: at most 125.0 s, peak RSS at most 0.50 GiB (0.25 GiB over imports), 0.00 GiB of weights "
+        "copied (targets < 60 s, < 2 GiB, none copied: NOT met); refused or failed: tp=8 pp=1: BuildError: tp: "
+        "expected a divisor",
+        "scale.json: load: 1.10x safetensors' time (target <= 1.2x: met); peak RSS 1.00 GiB over imports (target <= "
+        "the weights + the largest merged group, 17.00 GiB: met); device memory held 17.00 GiB (target within 5% of "
+        "the weights + the KV cache, 16.12 GiB: NOT met)",
+        THEN]
+    # a load section that failed outright (no verdicts but the sizes): its error; on the CPU, the RSS after the load
+    doc["verdicts"] = {"weights": 2**30, "largest_group": 2**28}
+    doc["rows"] = [{"section": "load", "error": "RuntimeError: boom"}]
+    (out / "scale.json").write_text(json.dumps(doc))
+    dry = _run(out, "--root", root, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.splitlines()[1:] == ["(dry run) scale.json: load: refused or failed: load: RuntimeError: boom"]
+    doc["verdicts"] = {**_scale_doc()["verdicts"], "load_rss_after_over_imports": 2**31}
+    for key in ("load_held", "load_held_met", "build", "serve"):
+        del doc["verdicts"][key]
+    doc["rows"] = []
+    (out / "scale.json").write_text(json.dumps(doc))
+    dry = _run(out, "--root", root, "--dry-run")
+    assert dry.stdout.splitlines()[1:] == [
+        "(dry run) scale.json: load: 1.10x safetensors' time (target <= 1.2x: met); peak RSS 1.00 GiB over imports "
+        "(target <= the weights + the largest merged group, 17.00 GiB: met); RSS after the load 2.00 GiB over imports "
+        "(the weights + the KV cache: 16.12 GiB)"]
+    # a file that is not report_scale's is refused, and nothing is written
+    before = sorted(p.name for p in (root / "bench" / "measured").iterdir())
+    (out / "scale.json").write_text(json.dumps({"machine": MACHINE, "rows": []}))
+    bad = _run(out, "--root", root)
+    assert bad.returncode == 2 and "scale.json: expected report_scale's verdicts (an object)" in bad.stderr
     assert sorted(p.name for p in (root / "bench" / "measured").iterdir()) == before

@@ -1,6 +1,6 @@
-"""The device-run tooling, on CPU: tests/run_log.py (the pytest plugin writing a JSON line per result,
---cuda-first), scripts/results_summary.py (what a device session reads), and scripts/gpu_check.sh's
-`tests` stage end to end, with its SIGINT at the call's limit. Each pytest run here is a subprocess."""
+"""The GPU-run tooling, on CPU: tests/run_log.py (the pytest plugin writing a JSON line per result,
+--cuda-first), scripts/results_summary.py (the run's summary), and scripts/gpu_check.sh's stages end
+to end, with its SIGINT at the call's limit. Each pytest run here is a subprocess."""
 from __future__ import annotations
 
 import importlib.util
@@ -224,7 +224,7 @@ def test_sigint_at_the_limit_keeps_the_results(tmp_path):
 
 @pytest.mark.parametrize("limit_hit", [False, True], ids=["whole", "cut-at-the-limit"])
 def test_gpu_check_tests_stage_on_cpu(tmp_path, limit_hit):
-    """The stage a device session runs first, here without a GPU (and without the install): one pytest with
+    """gpu_check.sh's `tests` stage, here without a GPU (and without the install): one pytest with
     this plugin, its summary in summary.txt and on stdout; red, since the cuda tests could not run. At the
     call's limit (GPU_CHECK_CALL_S; 30 s at least) pytest is interrupted and what it had is summarised."""
     # no file argument: the suite is pyproject's testpaths (tests/), as in the real stage; bench/ holds
@@ -278,7 +278,7 @@ def _gpu_check(tmp_path, *args, **env):
 
 def test_gpu_check_runs_several_stages_in_one_call_and_packs_past_eight_files(tmp_path):
     """tests + fused + tune in one call (on CPU: a test file and the smoke runs): each stage's line, and
-    their 10 files brought to 8 (what the device tool returns) by packing the logs."""
+    their 10 files brought to 8 by packing the logs."""
     import tarfile
 
     proc = _gpu_check(tmp_path, "tests", "tests/test_compile_pool.py", "-k", "split", "+", "fused", "--smoke",
@@ -352,7 +352,7 @@ def test_shapes_interrupted_reports_the_calls_fastpipe_tune_finished(tmp_path):
 
 
 def test_gpu_check_starts_no_stage_past_the_calls_budget(tmp_path):
-    """A stage after the first starts only with GPU_CHECK_STAGE_MIN_S of the call's budget left."""
+    """A stage after the first starts only with GPU_CHECK_STAGE_MIN_S of the call's time limit left."""
     proc = _gpu_check(tmp_path, "fused", "--smoke", "+", "tune", "--smoke", GPU_CHECK_CALL_S="600",
                       GPU_CHECK_STAGE_MIN_S="600")
     assert proc.returncode == 1
@@ -382,8 +382,8 @@ def test_gpu_check_refuses_a_bad_chain_before_any_stage(tmp_path, stages, messag
      ["tests: tests/a.py tests/b.py::t\\[x\\ y\\]", "runtime: --batches 1"]),
     (["fused+tune", "--smoke", "+", "memory", "--sections", "load"], ["fused", "tune: --smoke", "memory: --sections load"])])
 def test_gpu_check_gives_each_stage_its_arguments(tmp_path, words, plan):
-    """A first word 'a+b' is stages a and b, the arguments after it b's (as BENCHMARKS.md's plan writes the first
-    call, `tests+serving --sections 1`); GPU_CHECK_PLAN=1 prints the stages and runs nothing."""
+    """A first word 'a+b' is stages a and b, the arguments after it b's (`tests+serving --sections 1`);
+    GPU_CHECK_PLAN=1 prints the stages and runs nothing."""
     proc = _gpu_check(tmp_path, *words, GPU_CHECK_PLAN="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == plan
@@ -391,9 +391,9 @@ def test_gpu_check_gives_each_stage_its_arguments(tmp_path, words, plan):
 
 
 def test_gpu_check_runtime_and_memory_stages_then_ingest(tmp_path):
-    """The first call's third stage (runtime, table 1) and the second call's memory stage, chained, on CPU (--quick),
-    then scripts/ingest_gpu_check.py on their $OUT: runtime.json and memory.json come back, and ingesting them
-    says table 1's verdicts and table 4's sections."""
+    """The runtime and memory stages, chained in one call, on CPU (--quick), then scripts/ingest_gpu_check.py on
+    their $OUT: runtime.json and memory.json are written, and ingesting them says the runtime cases' verdicts and
+    the memory report's sections."""
     pytest.importorskip("transformers")
     out = tmp_path / "out"
     out.mkdir()
