@@ -1,0 +1,180 @@
+"""BENCHMARKS.md, rendered from the raw results under bench/measured/.
+
+    python -m bench.results_page            # writes BENCHMARKS.md
+    python -m bench.results_page --check    # exit 1 where BENCHMARKS.md is not what the results render
+
+Every result file is named <report>_<device>_..._<date>.json; its report (runtime, serving, fused, memory,
+real_size, scale) picks its table (bench/results_tables.py). A fused-kernel run supersedes an older one on
+the same device (the grid is the same); every other file is a table of its own. Tables without a row to
+show (a file of baseline rows only) are left out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import results_tables as tables  # noqa: E402
+
+# (report prefix, section title, what the section measures, renderer); the page's order
+SECTIONS = [
+    ("real_size_", "Decode and prefill at real size",
+     "Random weights in the models' own geometries (DIR: `python -m bench.real_checkpoint <model> DIR`), split "
+     "tp=2. Baselines: transformers on a static cache and a gpt-fast-style model, both compiled; the faster one "
+     "is each row's. Logits checked against the same weights in float32.",
+     tables.real_size),
+    ("scale_", "Build and load at real size",
+     "`fastpipe build` at each tp x pp, and `fastpipe.load` against safetensors' own load of the same files; each "
+     "measure in a fresh process, peak RSS its high-water mark. Builds link the checkpoint: no weight byte copied.",
+     tables.scale),
+    ("runtime_", "The decode step on a GPU, at 4 layers",
+     "A small Llama split tp=2 on one GPU against the fastest compiled unsplit row of the run. At this size a "
+     "step is launch-bound: the rows measure launches and host work, not bandwidth.",
+     tables.runtime),
+    ("serving_", "Greedy decode on a GPU, at 4 layers",
+     "The engine's decode loop against transformers' `generate`, both on static caches, transformers compiled "
+     "with reduce-overhead; the target is the default engine's (compiled, replayed).",
+     tables.serving),
+    ("fused_", "Fused matmul + collective kernels",
+     "fastpipe's Triton kernels against the unfused path (the collective, then torch.mm) on the same GPU.",
+     tables.fused),
+    ("memory_", "Load and peak memory on a GPU",
+     "Upload against safetensors' own load to the device; a run's peak allocation against the memory plan.",
+     tables.memory),
+]
+
+INTRO = """# Benchmarks
+
+Rendered by `python -m bench.results_page` from the raw results in `bench/measured/`; do not edit by hand.
+Each ratio compares rows of one run on one machine (below 1.0x: fastpipe takes less time); each verdict is
+computed from the rows against the report script's target (**no**: missed).
+"""
+
+HOW = """## How we measure
+
+- **Timing.** GPU: each sample is the mean of back-to-back calls over a few milliseconds between two
+  `torch.cuda.synchronize()`; the value is the median of the samples (p10/p90 in the raw rows). CPU: a
+  case's rows are sampled in turn, round after round, so drift moves them alike; the value is the median.
+- **Warm-up.** Compilation, CUDA-graph capture and a first call run before any timed sample.
+- **Numerics.** Every fastpipe row's logits are checked against the unsplit model in float32, within a
+  tolerance set by the unsplit model's own error in the benchmark's dtype; greedy decode compares tokens.
+- **Baselines** run as their users run them: compiled (reduce-overhead on a GPU), on static caches.
+  Hardware fractions are measured in the same rounds: a device copy for bandwidth (a decode step reads
+  every weight and the KV cache once), a bf16 matmul for FLOP/s (prefill).
+- **The CPU rows** come from a 2-core virtual machine whose copy bandwidth moves between runs: compare
+  ratios within a table, not times across tables.
+"""
+
+
+def discover(measured: Path) -> list[tuple[str, dict]]:
+    """(file name, parsed JSON) of every result file, by name; an unreadable file stops the page."""
+    out = []
+    for path in sorted(measured.glob("*.json")):
+        try:
+            out.append((path.name, json.loads(path.read_text())))
+        except (OSError, json.JSONDecodeError) as e:
+            raise tables.Malformed(f"{path.name}: expected a JSON document, found {type(e).__name__}: {e}") from None
+    return out
+
+
+def newest_per_device(files: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """Of several files of one report on one device, the one measured last (by machine.date, then name)."""
+    keep: dict[str, tuple[str, dict]] = {}
+    for name, doc in files:
+        dev = tables.need(doc, "machine.device", str, name)
+        if dev not in keep or (doc["machine"].get("date", ""), name) > (keep[dev][1]["machine"].get("date", ""),
+                                                                          keep[dev][0]):
+            keep[dev] = (name, doc)
+    return sorted(keep.values())
+
+
+def groups(files: list[tuple[str, dict]]) -> list[list[tuple[str, dict]]]:
+    """Files measured on one machine on one day with the same versions, in name order."""
+    out: dict[str, list] = {}
+    for name, doc in files:
+        out.setdefault(tables.machine_line(name, doc), []).append((name, doc))
+    return list(out.values())
+
+
+def not_measured(files: list[tuple[str, dict]]) -> list[str]:
+    """Facts about what no committed result covers, read off the results themselves."""
+    def on_gpu(prefix):
+        return [d for n, d in files if n.startswith(prefix) and d.get("machine", {}).get("device") != "cpu"]
+
+    out = ["Several GPUs: peer-to-peer copies, NCCL collectives, slots on separate GPUs' streams, and "
+           "torch.distributed across processes on GPUs. Every GPU row above holds all slots on one GPU."]
+    if not on_gpu("real_size_"):
+        out.append("Models of real size (1B parameters and up) on a GPU: decode at batch 1, 8 and 32, prefill at "
+                   "512 and 2048 tokens. The real-size rows above ran on a CPU.")
+    if not any(d.get("device", "cpu") != "cpu" for d in on_gpu("scale_")):
+        out.append("Device memory after loading a real-size model, against weights + KV cache + the plan's "
+                   "activations.")
+    batches = {c.get("batch") for d in on_gpu("runtime_") for c in d.get("cases", [])}
+    steps = {c.get("step") for d in on_gpu("runtime_") for c in d.get("cases", [])}
+    if batches <= {1} or "prefill" not in steps:
+        out.append("The 4-layer decode step on a GPU at batch 8 and 32, and its prefill step.")
+    sections = {k for d in on_gpu("serving_") for k in d.get("sections", {})}
+    if not {"2", "3", "4"} <= sections:
+        out.append("Serving on a GPU: continuous batching against one request at a time, memory over a long "
+                   "generation, weights shared by several buckets.")
+    if not any(r.get("section") == "pool" for d in on_gpu("memory_") for r in d.get("rows", [])):
+        out.append("Several buckets' CUDA graphs sharing one memory pool.")
+    out.append("Models of 70B parameters, at any degree of parallelism.")
+    return out
+
+
+def render(measured: Path) -> str:
+    files = discover(measured)
+    known = tuple(p for p, *_ in SECTIONS)
+    stray = [n for n, _ in files if not n.startswith(known)]
+    if stray:
+        raise tables.Malformed(f"{stray[0]}: expected a name starting with one of {', '.join(known)}")
+    parts = [INTRO]
+    for prefix, title, what, renderer in SECTIONS:
+        mine = [(n, d) for n, d in files if n.startswith(prefix)]
+        if prefix == "fused_":
+            mine = newest_per_device(mine)
+        section = []
+        for group in groups(mine):
+            rendered = ["\n".join(lines) + "\n" for lines in (renderer(n, d) for n, d in group) if lines]
+            if rendered:
+                section.append(f"### {tables.machine_line(*group[0])}\n\n" + "\n".join(rendered))
+        if section:
+            parts.append(f"## {title}\n\n{what}\n")
+            parts += section
+    parts.append(HOW)
+    parts.append("## Not measured yet\n\n" + "\n".join(f"- {line}" for line in not_measured(files)) + "\n")
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--measured", type=Path, default=ROOT / "bench" / "measured")
+    ap.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 where --out differs")
+    args = ap.parse_args(argv)
+    try:
+        page = render(args.measured)
+    except tables.Malformed as e:
+        print(f"results_page: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if not args.out.exists() or args.out.read_text() != page:
+            print(f"results_page: {args.out} is not what {args.measured} renders; run python -m bench.results_page",
+                  file=sys.stderr)
+            return 1
+        return 0
+    from fastpipe.atomic import write_text
+
+    write_text(args.out, page)
+    print(f"wrote {args.out} ({len(page.encode())} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
