@@ -128,6 +128,15 @@ def not_measured(files: list[tuple[str, dict]]) -> list[str]:
     return out
 
 
+def table_of(renderer, name: str, doc: dict) -> list[str]:
+    """renderer's lines for one file; a field it lacks is named as a Malformed error, not a traceback."""
+    try:
+        return renderer(name, doc)
+    except (KeyError, IndexError, TypeError) as e:
+        raise tables.Malformed(f"{name}: expected a field {e} of its report's result, found none or another "
+                               f"type ({type(e).__name__})") from None
+
+
 def render(measured: Path) -> str:
     files = discover(measured)
     known = tuple(p for p, *_ in SECTIONS)
@@ -141,7 +150,7 @@ def render(measured: Path) -> str:
             mine = newest_per_device(mine)
         section = []
         for group in groups(mine):
-            rendered = ["\n".join(lines) + "\n" for lines in (renderer(n, d) for n, d in group) if lines]
+            rendered = ["\n".join(lines) + "\n" for lines in (table_of(renderer, n, d) for n, d in group) if lines]
             if rendered:
                 section.append(f"### {tables.machine_line(*group[0])}\n\n" + "\n".join(rendered))
         if section:

@@ -68,6 +68,11 @@ def provenance(name: str, doc: dict, command: str, model: str) -> list[str]:
     return [f"`bench/measured/{name}`: {model}", f"`{command}`", ""]
 
 
+def table(head: list[str], body: list[str]) -> list[str]:
+    """head, the column names, then body; nothing where body has no row (a file with nothing to show)."""
+    return head + HEAD + body if any(line.startswith("| ") for line in body) else []
+
+
 def machine_line(name: str, doc: dict) -> str:
     """'NVIDIA H200, 2026-11-27; Python 3.12.3, torch 2.11.0+cu130, triton 3.6.0, fastpipe 0.1.0'."""
     m = need(doc, "machine", dict, name)
@@ -108,7 +113,7 @@ def runtime(name: str, doc: dict) -> list[str]:
                                                     defaults)
     model = (f"Llama-family, {a['layers']} layers, hidden {a['hidden']}, {a['heads']}/{a['kv_heads']} heads, vocab "
              f"{a['vocab']}, {a['dtype']}, tp=2 on one device.")
-    lines = provenance(name, doc, cmd, model) + HEAD
+    head, lines = provenance(name, doc, cmd, model), []
     for i, case in enumerate(need(doc, "cases", list, name)):
         rows = {r["variant"]: r for r in need(case, "rows", list, f"{name}: cases.{i}")
                 if r.get("median_ms") and not str(r.get("check", "")).startswith("MISMATCH")}
@@ -130,7 +135,7 @@ def runtime(name: str, doc: dict) -> list[str]:
             lines.append(row(f"{what}: {REPLAY.removeprefix('fastpipe ')}", ms(rows[REPLAY]["median_ms"] / 1e3),
                              STREAMS.removeprefix("fastpipe "), ms(rows[STREAMS]["median_ms"] / 1e3), speed(gain),
                              f">= {TARGET_REPLAY_VS_STREAMS:.0f}x faster", met(gain >= TARGET_REPLAY_VS_STREAMS)))
-    return lines
+    return table(head, lines)
 
 
 # ------------------------------------------------------------------------------------- greedy decode
@@ -144,7 +149,7 @@ def serving(name: str, doc: dict) -> list[str]:
     mdl = need(doc, "model", dict, name)
     model = (f"Llama-family, {mdl['layers']} layers, hidden {mdl['hidden']}, vocab {mdl['vocab']}, {doc.get('dtype')}; "
              f"batch 1, prompt {a['prompt']}, {a['tokens']} new tokens; tokens compared with transformers'.")
-    lines = provenance(name, doc, cmd, model) + HEAD
+    head, lines = provenance(name, doc, cmd, model), []
     rows = need(doc, "sections", dict, name).get("1", {}).get("rows", [])
     base = next((r for r in rows if r.get("key") == "transformers compiled" and r.get("tokens_per_s")), None)
     if base is None:
@@ -158,7 +163,7 @@ def serving(name: str, doc: dict) -> list[str]:
                          f"{base['tokens_per_s']:.0f} tok/s", speed(gain),
                          *((">= 1.0x, same tokens", met(gain >= 1.0 and r.get("tokens") == "identical"))
                            if r.get("cuda_graph") is not False else ("", ""))))
-    return lines
+    return table(head, lines)
 
 
 # ------------------------------------------------------------------------------------- fused kernels
@@ -178,7 +183,7 @@ def fused(name: str, doc: dict) -> list[str]:
     model = (f"{a.get('dtype')}; one GPU stands for n participants. Shown: N = K {nk}, n {n}, dim 0. Targets from M = "
              f"{TARGET_FROM_M}: >= {TARGET_SPEEDUP}x faster than unfused, and >= {pct(TARGET_OF_MM)} of torch.mm's "
              "TFLOP/s on the same work.")
-    lines = provenance(name, doc, cmd, model) + HEAD
+    head, lines = provenance(name, doc, cmd, model), []
 
     def ok(r):
         return (r["unfused_ms"] / r["fused_ms"] >= TARGET_SPEEDUP and bool(r.get("torch.mm_tflops"))
@@ -195,7 +200,7 @@ def fused(name: str, doc: dict) -> list[str]:
     wins = sum(r["fused_ms"] < r["unfused_ms"] for r in rows)
     lines += ["", f"The whole grid ({len(rows)} cases): fused faster in {wins}; both targets met in "
                   f"{sum(map(ok, big))} of the {len(big)} with M >= {TARGET_FROM_M}."]
-    return lines
+    return table(head, lines)
 
 
 # ------------------------------------------------------------------------------------- load and memory (GPU)
@@ -206,7 +211,7 @@ def memory(name: str, doc: dict) -> list[str]:
                                                        "hidden", "vocab"))
     model = (f"Load: a {a.get('mb')} MiB {a.get('dtype')} file, medians of {a.get('rounds')}. Memory: Llama-family, "
              f"{a.get('layers')} layers, hidden {a.get('hidden')}, tp=2 on one device.")
-    lines = provenance(name, doc, cmd, model) + HEAD
+    head, lines = provenance(name, doc, cmd, model), []
     for r in need(doc, "rows", list, name):
         if r.get("section") == "load" and r.get("fastpipe_s"):
             ratio = r["fastpipe_s"] / r["baseline_s"]
@@ -217,7 +222,7 @@ def memory(name: str, doc: dict) -> list[str]:
             lines.append(row(f"{r['shape'].split(' (')[0]}, {r['processor']}: peak allocated",
                              f"{r['peak_allocated_bytes'] / 2**20:.0f} MiB", "the plan's peak",
                              f"{r['predicted_peak_bytes'] / 2**20:.0f} MiB", x(ratio), "", ""))
-    return lines
+    return table(head, lines)
 
 
 # ------------------------------------------------------------------------------------- real size
@@ -272,7 +277,7 @@ def real_size(name: str, doc: dict) -> list[str]:
                 body.append(row(f"{what}: the model's FLOP/s", f"{d['tflop_per_s']:.2f} TFLOP/s",
                                 "one bf16 matmul, same rounds", f"{case['matmul_tflop_s']:.2f} TFLOP/s",
                                 pct(frac["value"]), f">= {pct(frac['target'])}", met(frac["met"])))
-    return provenance(name, doc, cmd, model) + HEAD + body if body else []
+    return table(provenance(name, doc, cmd, model), body)
 
 
 # ------------------------------------------------------------------------------------- build and load at scale
@@ -288,7 +293,7 @@ def scale(name: str, doc: dict) -> list[str]:
     grid = sorted({(r["tp"], r["pp"]) for r in rows if "tp" in r})
     model = (f"**{geometry(name, doc)}**, {gib(weights)} of weights" +
              (f"; tp x pp: {', '.join(f'{t}x{p}' for t, p in grid)}" if grid else "") + ".")
-    lines = provenance(name, doc, cmd, model) + HEAD
+    head, lines = provenance(name, doc, cmd, model), []
     what = {"build": "build the decode step", "serve": "build the serving set (6 pipelines)"}
     for sec in ("build", "serve"):
         ok = [r for r in rows if r["section"] == sec and "error" not in r]
@@ -318,4 +323,4 @@ def scale(name: str, doc: dict) -> list[str]:
         want, got = facts["load_held_expected"], median_of(held, "device_allocated")
         lines.append(row("load: device memory allocated", gib(got), "weights + KV cache", gib(want), x(got / want),
                          f"within {pct(HELD_TOLERANCE)}", met(abs(got - want) <= HELD_TOLERANCE * want)))
-    return lines
+    return table(head, lines)

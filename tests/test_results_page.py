@@ -120,10 +120,13 @@ def test_malformed_file_is_named_with_its_field(tmp_path, capsys):
     edit(folder, name, lambda d: d.pop("args"))
     with pytest.raises(Malformed, match=r"runtime_h100_2026-11-27\.json: args: expected a value"):
         results_page.render(folder)
+    edit(folder, name, lambda d: d.update(args={"device": "cuda"}))      # args without the model's size
+    with pytest.raises(Malformed, match=r"runtime_h100_2026-11-27\.json: expected a field 'layers'"):
+        results_page.render(folder)
     out = tmp_path / "B.md"
     assert results_page.main(["--measured", str(folder), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "args" in err and not out.exists()
+    assert len(err.splitlines()) == 1 and "'layers'" in err and not out.exists()
 
 
 def test_stray_and_unreadable_files_are_refused(tmp_path):
