@@ -63,7 +63,8 @@ HOW = """## How we measure
 - **Warm-up.** Compilation, CUDA-graph capture and a first call run before any timed sample.
 - **Numerics.** Every fastpipe row's logits are checked against the unsplit model in float32, within a
   tolerance set by the unsplit model's own error in the benchmark's dtype; greedy decode compares tokens.
-- **Baselines** run as their users run them: compiled (reduce-overhead on a GPU), on static caches.
+- **Baselines** run as their users run them: compiled (reduce-overhead on a GPU), on static caches (a
+  row on a cache built per call says so).
   Hardware fractions are measured in the same rounds: a device copy for bandwidth (a decode step reads
   every weight and the KV cache once), a bf16 matmul for FLOP/s (prefill).
 - **The CPU rows** come from a 2-core virtual machine whose copy bandwidth moves between runs: compare
