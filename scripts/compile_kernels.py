@@ -1,6 +1,6 @@
 """Compile fastpipe's Triton kernels for a GPU (Hopper by default) on a machine that has none.
 
-    python scripts/compile_kernels.py                     # issue 16's grid, bf16: the configs pick_config picks
+    python scripts/compile_kernels.py                     # the benchmark grid, bf16: the configs pick_config picks
     python scripts/compile_kernels.py --tune-candidates   # and every config bench_fused_kernels --tune times
     python scripts/compile_kernels.py --quick --json compiled.json   # the few distinct configs (CI)
     python scripts/compile_kernels.py --arch 80 --sms 108 --device-name "NVIDIA A100-SXM4-80GB"
@@ -10,8 +10,8 @@
 
 The interpreter (TRITON_INTERPRET=1) runs the kernels' arithmetic on the CPU, but never compiles
 them: a config that cannot compile, or that needs more shared memory than the GPU gives one block
-(it fails at launch there, with OutOfResources), would first show on the GPU machine, in minutes
-of device time. Triton's wheel ships ptxas, so the whole compile (TTIR -> TTGIR -> LLVM -> PTX ->
+(it fails at launch there, with OutOfResources), would otherwise first show on a GPU, at its first
+launch. Triton's wheel ships ptxas, so the whole compile (TTIR -> TTGIR -> LLVM -> PTX ->
 cubin) runs here for a target named by hand. This script calls the public entry points
 (matmul_reduce_scatter, all_gather_matmul) on meta tensors of the benchmark's layouts (b[i] =
 w_i.t()), with Triton's driver replaced by one that names the target and launches nothing, and
@@ -236,7 +236,7 @@ def check(row: Compiled, arch: int) -> Compiled:
 
 
 def cases(args) -> list[tuple[str, int, int, int, int, torch.dtype]]:
-    """(kernel, M, NK, n, dim, dtype) of issue 16's grid (bench_fused_kernels' default), dims 0 and 1."""
+    """(kernel, M, NK, n, dim, dtype) of the benchmark grid (bench_fused_kernels' default), dims 0 and 1."""
     out = []
     kernels = ("matmul_reduce_scatter", "all_gather_matmul") if args.kernel == "both" else (args.kernel,)
     for kernel in kernels:

@@ -15,7 +15,7 @@
 #   bash scripts/gpu_check.sh fused       # fused kernels: bench/bench_fused_kernels.py -> fused.json; in
 #                                         # fused.log the smallest M where fused wins and whether the shipped
 #                                         # rule agrees, % of bf16 peak, targets; fusion_measured.json: the
-#                                         # rule's table from this run, this GPU's points only (docs/kernels.md
+#                                         # rule's table from this run, this GPU's points only (docs/kernel-tuning.md
 #                                         # says how to merge it with bench/measured's runs and ship it).
 #                                         # Cases go dim by dim (the grid at dim 0, row blocks, then at dim 1,
 #                                         # column blocks; `--dim 0` for one), then shape by shape, both kernels

@@ -1,8 +1,8 @@
 """Launch configs tuned on this GPU for the fused-kernel calls a pipeline makes (``fastpipe tune``).
 
 pick_config consults a table of configs measured per GPU and shape (fastpipe.kernels.tuned) before
-its heuristic. The table that ships, or that ``bench/bench_fused_kernels.py --tune`` writes, covers
-issue 16's grid (N = K 4096 and 8192, n 2 and 4); an entry serves only its own N, K and n. A model's
+its heuristic. A table that ``bench/bench_fused_kernels.py --tune`` writes covers the benchmark grid
+(N = K 4096 and 8192, n 2 and 4); an entry serves only its own N, K and n. A model's
 own shapes (a Llama's hidden 4096 against its MLP's 14336, split n ways) are tuned here:
 
     calls = recorded calls (fastpipe.kernels.calls.recording, around one run of the pipeline)

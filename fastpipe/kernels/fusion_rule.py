@@ -70,10 +70,10 @@ CRITERION = ("fused_wins: the fused kernel's p80 time below the unfused path's p
 # speed it can change, what it was)
 KERNEL_REVISIONS = {"matmul_reduce_scatter": 1, "all_gather_matmul": 3}
 REVISION_CHANGES = {
-    ("all_gather_matmul", 2): ((0,), "since 2026-11-26 it computes dim 0's n outputs in one launch, not n one "
-                                     "after another"),
-    ("all_gather_matmul", 3): ((1,), "since 2026-11-26 (later) it computes dim 1's n outputs in one launch "
-                                     "(gather_cols), not one mm_sum launch per output"),
+    ("all_gather_matmul", 2): ((0,), "it computes dim 0's n outputs in one launch, not n one after "
+                                     "another"),
+    ("all_gather_matmul", 3): ((1,), "it computes dim 1's n outputs in one launch (gather_cols), "
+                                     "not one mm_sum launch per output"),
 }
 # dtypes measured under another's name: the same element size and the same kernel code
 _SAME_AS = {"float16": "bfloat16"}

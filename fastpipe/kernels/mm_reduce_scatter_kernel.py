@@ -18,7 +18,8 @@ participant j. The story of this file:
 4. :func:`matmul_reduce_scatter_overlapped` -- for participants on *different* GPUs: each
    participant computes its partial product chunk by chunk in ring order and hands every
    finished chunk to its destination on a copy stream while the rest of its GEMM runs.
-5. :func:`fused_is_faster` -- when the runtime should pick the fused kernel.
+5. ``fastpipe.kernels.fusion_rule.fused_is_faster`` (not in this file) -- when the runtime
+   should pick the fused kernel.
 
 Semantics follow ``fastpipe.comm.reference.reduce_scatter``: the sum is taken in float32
 and rounded to the input dtype once, ``avg`` is that sum divided by n, the split into n
@@ -265,8 +266,8 @@ def pick_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
       64x128 tiles, which spill registers with 3) -- fp32 tiles are twice the bytes, so K steps
       are shorter.
 
-    ``scripts/compile_kernels.py`` compiles every config this picks for issue 16's shapes for
-    sm_90 without a GPU, and checks shared memory and register spills (tests/test_kernels_compile.py).
+    ``scripts/compile_kernels.py`` compiles every config this picks for the benchmark grid's shapes
+    for sm_90 without a GPU, and checks shared memory and register spills (tests/test_kernels_compile.py).
     """
     device = torch.device(device)
     if device.type != "cuda" or interpreting():

@@ -1,7 +1,7 @@
 """Launch configurations measured per GPU and shape, consulted before the heuristic (pick_config).
 
-A table is JSON written by ``bench/bench_fused_kernels.py --write-tuned`` from a ``--tune`` run (issue
-16's grid), or by ``fastpipe tune`` for a pipeline's own shapes (fastpipe.kernels.autotune)::
+A table is JSON written by ``bench/bench_fused_kernels.py --write-tuned`` from a ``--tune`` run (the
+benchmark's grid), or by ``fastpipe tune`` for a pipeline's own shapes (fastpipe.kernels.autotune)::
 
     {"format": 1, "entries": [{"launcher": "mm_sum", "device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16",
                                "M": 1024, "N": 4096, "K": 4096, "n": 2,
@@ -10,8 +10,7 @@ A table is JSON written by ``bench/bench_fused_kernels.py --write-tuned`` from a
                                "ms": 0.21, "heuristic_ms": 0.25}, ...]}
 
 launcher: the kernel launched, ``mm_sum`` (matmul_reduce_scatter), ``gather_rows`` (all_gather_matmul
-with dim 0) or ``gather_cols`` (all_gather_matmul with dim 1; before 2026-11-26 these calls ran on
-mm_sum, one launch per output, and were tuned as mm_sum); M, N, K, n: what that launcher sees: rows;
+with dim 0) or ``gather_cols`` (all_gather_matmul with dim 1); M, N, K, n: what that launcher sees: rows;
 columns (the gather launchers, which compute the n outputs in one launch: the widest output's); K
 (mm_sum: the longest participant's; the gather launchers: the gathered product's); participants.
 An entry applies to the GPU whose name it records (a config
@@ -30,7 +29,7 @@ tiles at N 4096) would leave most of an H100 idle at a decode's M 16 (16 tiles).
 pipeline's shapes, which fastpipe.kernels.fusion_rule reads (and checks) from the same file.
 
 Where: ``$FASTPIPE_TUNED_CONFIGS`` if set, else ``tuned_configs.json`` beside this file (shipped
-when a GPU session has measured one). No table: the heuristic. A table that cannot be read or
+where one was measured). No table: the heuristic. A table that cannot be read or
 has a bad entry is reported once (a warning naming the file and the field) and not used.
 """
 from __future__ import annotations
