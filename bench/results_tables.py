@@ -128,7 +128,8 @@ def runtime(name: str, doc: dict) -> list[str]:
         for v, r in sorted(ours.items(), key=lambda kv: kv[1]["median_ms"]):
             ratio = r["median_ms"] / base["median_ms"]
             verdict = (f"<= {TARGET_VS_UNSPLIT}x (best)", met(ratio <= TARGET_VS_UNSPLIT)) if r is best else ("", "")
-            lines.append(row(f"{what}: {v.removeprefix('fastpipe ')}", ms(r["median_ms"] / 1e3), unsplit(base["variant"]),
+            lines.append(row(f"{what}: {v.removeprefix('fastpipe ')}", ms(r["median_ms"] / 1e3),
+                             unsplit(base["variant"]),
                              ms(base["median_ms"] / 1e3), x(ratio), *verdict))
         if REPLAY in rows and STREAMS in rows:
             gain = rows[STREAMS]["median_ms"] / rows[REPLAY]["median_ms"]
@@ -189,7 +190,8 @@ def fused(name: str, doc: dict) -> list[str]:
         return (r["unfused_ms"] / r["fused_ms"] >= TARGET_SPEEDUP and bool(r.get("torch.mm_tflops"))
                 and r["fused_tflops"] / r["torch.mm_tflops"] >= TARGET_OF_MM)
 
-    for r in sorted((r for r in rows if r["N=K"] == nk and r["n"] == n and r["dim"] == 0), key=lambda r: (r["kernel"], r["M"])):
+    shown = [r for r in rows if r["N=K"] == nk and r["n"] == n and r["dim"] == 0]
+    for r in sorted(shown, key=lambda r: (r["kernel"], r["M"])):
         of_mm = f", {pct(r['fused_tflops'] / r['torch.mm_tflops'])} of mm" if r.get("torch.mm_tflops") else ""
         big = r["M"] >= TARGET_FROM_M
         lines.append(row(f"{SHORT_KERNEL.get(r['kernel'], r['kernel'])}, M {r['M']} "
@@ -217,7 +219,8 @@ def memory(name: str, doc: dict) -> list[str]:
             ratio = r["fastpipe_s"] / r["baseline_s"]
             lines.append(row(f"load, page cache {r['mode']}", ms(r["fastpipe_s"]), "safetensors load_file(device=)",
                              ms(r["baseline_s"]), x(ratio), "", ""))
-        elif r.get("section") == "memory" and r.get("peak_allocated_bytes") and "cuda_graph=False" not in r["processor"]:
+        elif (r.get("section") == "memory" and r.get("peak_allocated_bytes")
+              and "cuda_graph=False" not in r["processor"]):    # the replayed runs
             ratio = r["peak_allocated_bytes"] / r["predicted_peak_bytes"]
             lines.append(row(f"{r['shape'].split(' (')[0]}, {r['processor']}: peak allocated",
                              f"{r['peak_allocated_bytes'] / 2**20:.0f} MiB", "the plan's peak",
@@ -244,7 +247,8 @@ def real_size(name: str, doc: dict) -> list[str]:
     tp = ",".join(map(str, need(doc, "tp", list, name)))
     batches = sorted({c["batch"] for c in cases if c.get("case") == "decode"})
     lens = sorted({c["prompt_len"] for c in cases if c.get("case") == "prefill"})
-    cmd = (f"python bench/report_real_size.py --checkpoint DIR --tp {tp}" + (f" --batches {','.join(map(str, batches))}" if batches else "")
+    cmd = (f"python bench/report_real_size.py --checkpoint DIR --tp {tp}"
+           + (f" --batches {','.join(map(str, batches))}" if batches else "")
            + (f" --prompt-lens {','.join(map(str, lens))}" if lens else ""))
     model = (f"**{geometry(name, doc)}**, {doc.get('layers')} layers, {doc.get('weight_bytes', 0) / GIB:.2f} GiB of "
              f"{doc.get('dtype')}.")
@@ -289,7 +293,8 @@ def scale(name: str, doc: dict) -> list[str]:
     facts = need(doc, "verdicts", dict, name)          # the checkpoint's sizes, measured when the file was written
     weights, group = need(facts, "weights", int, name), need(facts, "largest_group", int, name)
     secs = sorted({r["section"] for r in rows}, key=("build", "serve", "load").index)
-    cmd = (f"python bench/report_scale.py --checkpoint DIR --sections {','.join(secs)}" + (" --device " + doc["device"] if doc.get("device", "cpu") != "cpu" else ""))
+    cmd = (f"python bench/report_scale.py --checkpoint DIR --sections {','.join(secs)}"
+           + (" --device " + doc["device"] if doc.get("device", "cpu") != "cpu" else ""))
     grid = sorted({(r["tp"], r["pp"]) for r in rows if "tp" in r})
     model = (f"**{geometry(name, doc)}**, {gib(weights)} of weights" +
              (f"; tp x pp: {', '.join(f'{t}x{p}' for t, p in grid)}" if grid else "") + ".")

@@ -276,6 +276,8 @@ def _scale_row(r: dict) -> str:
 def scale_lines(doc: dict) -> list[str]:
     """Build and load at scale (bench/report_scale.py): a line per section (build, serve, load) with its verdicts
     against their targets, and the rows refused or failed."""
+    from bench.report_scale import BUILD_MAX_PEAK, BUILD_MAX_S, HELD_TOLERANCE, LOAD_MAX_RATIO
+
     v = doc.get("verdicts")
     if not isinstance(v, dict):
         raise ValueError(f"scale.json: expected report_scale's verdicts (an object), found {str(doc)[:80]}")
@@ -288,15 +290,17 @@ def scale_lines(doc: dict) -> list[str]:
             b = v[sec]
             said.append(f"at most {b['max_s']:.1f} s, peak RSS at most {_gib(b['max_peak'])} "
                         f"({_gib(b['max_over_imports'])} over imports), {_gib(b['weight_bytes_copied'])} of weights "
-                        f"copied (targets < 60 s, < 2 GiB, none copied: {_met(b['met'])})")
+                        f"copied (targets < {BUILD_MAX_S} s, < {BUILD_MAX_PEAK / 2**30:g} GiB, none copied: "
+                        f"{_met(b['met'])})")
         if sec == "load" and "load_time_ratio" in v:
-            said.append(f"{v['load_time_ratio']:.2f}x safetensors' time (target <= 1.2x: {_met(v['load_time_met'])})")
+            said.append(f"{v['load_time_ratio']:.2f}x safetensors' time (target <= {LOAD_MAX_RATIO}x: "
+                        f"{_met(v['load_time_met'])})")
             limit = _gib(v["weights"] + v["largest_group"])
             said.append(f"peak RSS {_gib(v['load_peak_over_imports'])} over imports (target <= the weights + the "
                         f"largest merged group, {limit}: {_met(v['load_peak_met'])})")
             if "load_held" in v:
-                said.append(f"device memory held {_gib(v['load_held'])} (target within 5% of the weights + the KV "
-                            f"cache, {_gib(v['load_held_expected'])}: {_met(v['load_held_met'])})")
+                said.append(f"device memory held {_gib(v['load_held'])} (target within {100 * HELD_TOLERANCE:.0f}% of the "
+                            f"weights + the KV cache, {_gib(v['load_held_expected'])}: {_met(v['load_held_met'])})")
             elif "load_rss_after_over_imports" in v:
                 said.append(f"RSS after the load {_gib(v['load_rss_after_over_imports'])} over imports (the weights + "
                             f"the KV cache: {_gib(v['load_held_expected'])})")

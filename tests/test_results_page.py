@@ -63,7 +63,8 @@ def test_ratio_is_computed_from_the_rows(tmp_path):
     name = "runtime_h100_2026-11-27.json"
     doc = json.loads((MEASURED / name).read_text())
     rows = {r["variant"]: r["median_ms"] for r in doc["cases"][0]["rows"] if r.get("median_ms")}
-    want = rows["fastpipe region compiled + replay, outputs aliased"] / rows["unsplit static cache compiled, reduce-overhead"]
+    want = (rows["fastpipe region compiled + replay, outputs aliased"]
+            / rows["unsplit static cache compiled, reduce-overhead"])
     page = results_page.render(copy(tmp_path, name))
     [cells] = table_rows(page, "decode b1: region compiled + replay, outputs aliased")
     assert cells[4] == f"{want:.2f}x" and cells[6] == "yes"
