@@ -228,12 +228,17 @@ def _scale_doc():
                          "load_held_met": False}}
 
 
-def test_ingest_copies_the_real_size_report_and_says_each_cases_verdicts(tmp_path):
-    root = _repo(tmp_path)
-    out = tmp_path / "out"
+def _staged(tmp_path, name: str, doc: dict):
+    """A repository (_repo) and a gpu_check $OUT folder holding ``doc`` as ``name``."""
+    root, out = _repo(tmp_path), tmp_path / "out"
     out.mkdir()
+    (out / name).write_text(json.dumps(doc))
+    return root, out
+
+
+def test_ingest_copies_the_real_size_report_and_says_each_cases_verdicts(tmp_path):
     doc = _real_doc()
-    (out / "real.json").write_text(json.dumps(doc))
+    root, out = _staged(tmp_path, "real.json", doc)
     dry = _run(out, "--root", root, "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert not (root / "bench" / "measured" / "real_size_h100_llama-3.1-8b_2026-12-01.json").exists()
@@ -268,11 +273,8 @@ def test_ingest_copies_the_real_size_report_and_says_each_cases_verdicts(tmp_pat
 
 
 def test_ingest_copies_the_scale_report_and_says_each_sections_verdicts(tmp_path):
-    root = _repo(tmp_path)
-    out = tmp_path / "out"
-    out.mkdir()
     doc = _scale_doc()
-    (out / "scale.json").write_text(json.dumps(doc))
+    root, out = _staged(tmp_path, "scale.json", doc)
     done = _run(out, "--root", root)
     assert done.returncode == 0, done.stderr
     assert json.loads((root / "bench" / "measured" / "scale_h100_llama-3.1-8b_2026-12-01.json").read_text()) == doc
