@@ -320,20 +320,22 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self, *, collect: bool = True) -> None:
         """Drop this session's steps, constants and decoded graphs (weights and compiled graphs nobody
-        else holds are freed), and collect garbage. A session dropped without close() frees them as its
-        last reference goes too (fastpipe.runtime.release), except what reference cycles of the caller's
-        hold until the next collection. `with fastpipe.load(...) as session:` closes it at the end."""
+        else holds are freed), and collect garbage (collect=False: the caller collects once, after closing
+        several). A session dropped without close() frees them as its last reference goes too
+        (fastpipe.runtime.release), except what reference cycles of the caller's hold until the next
+        collection. `with fastpipe.load(...) as session:` closes it at the end."""
         import dataclasses
 
         if self.processor == "dist" and self._processor is not None:   # let go of its process groups
             self._processor.close()
         self.program, self._processor, self._binder = None, None, None
         self.checked = dataclasses.replace(self.checked, graphs=None)   # decoded payloads hold their constants
-        import gc
+        if collect:
+            import gc
 
-        gc.collect()
+            gc.collect()
 
     def _run_parts(self, parts, chunks, events):
         if self.processor == "reference":

@@ -280,24 +280,48 @@ def test_bad_requests_fail_alone_with_one_line_errors(llama_set):
         Engine(folder, batch=3, compile=False)
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(llama_set):
+def _failing(run, calls: set[int], what="device lost"):
+    """`run`, raising RuntimeError(what) at the given call numbers (1-based)."""
+    n = {"calls": 0}
+
+    def flaky(*a, **k):
+        n["calls"] += 1
+        if n["calls"] in calls:
+            raise RuntimeError(what)
+        return run(*a, **k)
+    return flaky
+
+
+def test_a_step_failing_once_runs_again_and_changes_nothing(llama_set):
+    """A decode step or a prefill that raises once runs once more (it rewrites the same cache positions),
+    with a warning naming the reason; every request's tokens are those of a run without the fault."""
+    model, folder = llama_set
+    prompts = _prompts(3, 21, 100)
+    with Engine(folder, eos_token_id=None, compile=False, batch=2) as eng:
+        eng.decode.run = _failing(eng.decode.run, {3})
+        for sess in eng.buckets.prefills.values():
+            sess.run = _failing(sess.run, {1}, "out of memory")
+        with pytest.warns(RuntimeWarning) as caught:
+            got = eng.generate(prompts, max_new_tokens=10)
+        assert eng.retries >= 2
+    said = [str(w.message) for w in caught]
+    assert any(m.startswith("fastpipe: decode step failed (RuntimeError: device lost); running it once more") for m in said)
+    assert any("prefill" in m and "(RuntimeError: out of memory)" in m for m in said)
+    assert got == [_hf_greedy(model, p, 10) for p in prompts]
+
+
+def test_a_step_failing_twice_fails_its_requests_and_the_engine_goes_on(llama_set):
     model, folder = llama_set
     with Engine(folder, eos_token_id=None, compile=False, batch=2) as eng:
-        run = eng.decode.run
-        calls = {"n": 0}
-
-        def flaky(*a, **k):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("device lost")
-            return run(*a, **k)
-        eng.decode.run = flaky
-        doomed = eng.submit([3, 4], max_new_tokens=10)
-        with pytest.raises(RunError, match=r"generation step: RuntimeError: device lost"):
-            doomed.result(timeout=60)
-        assert doomed.finish_reason == "error"
+        eng.decode.run = _failing(eng.decode.run, {3, 4})
+        with pytest.warns(RuntimeWarning, match="decode step failed"):
+            doomed = eng.submit([3, 4], max_new_tokens=10)
+            with pytest.raises(RunError, match=r"generation step: RuntimeError: device lost"):
+                doomed.result(timeout=60)
         later = eng.submit([3, 4], max_new_tokens=10).result(timeout=60)
-    assert later == _hf_greedy(model, [3, 4], 10)
+    solo = _hf_greedy(model, [3, 4], 10)
+    assert doomed.finish_reason == "error" and doomed.tokens == solo[:3]      # the prefill's, then 2 steps
+    assert later == solo
 
 
 def test_close_finishes_or_cancels_in_flight_requests(llama_set):

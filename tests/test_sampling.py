@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from fastpipe.errors import InputError
-from fastpipe.generation.sampling import SamplingParams, sample, warp
+from fastpipe.errors import InputError, RunError
+from fastpipe.generation.sampling import MIN_TEMPERATURE, SamplingParams, draw, sample, sample_rows, warp
 
 
 def hf_warp(logits, temperature, top_k, top_p):
@@ -32,6 +32,8 @@ def assert_same_warp(ours, ref, ties_in=None):
     picks which of the tokens tied across the top-p cut stay: there the same number of each value stays, and
     the lowest indices among equal logits ``ties_in`` (sampling's rule)."""
     assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    assert (ours.amax(-1) == 0).all()  # shifted: each row's largest score is 0
+    ref = ref - ref.amax(-1, keepdim=True)  # transformers' scores, shifted the same way
     kept, ref_kept = ~torch.isinf(ours), ~torch.isinf(ref)
     assert ref_kept.any(-1).all()  # min_tokens_to_keep=1
     if ties_in is None:
@@ -187,3 +189,59 @@ def test_check_accepts_valid_and_sample_refuses_bad_calls():
         sample(torch.zeros(1, 4, device="meta"), [sampled], [sampled.generator("cpu")])
     with pytest.raises(InputError, match=r"logits"):
         sample(torch.zeros(4), [sampled], [sampled.generator()])
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-6, 5e-324])
+def test_a_temperature_below_the_floor_is_refused(temperature):
+    with pytest.raises(InputError, match=rf"sampling\.temperature: expected 0 \(greedy\) or a finite number >= "
+                                         rf"{MIN_TEMPERATURE:g}, found {temperature!r}"):
+        SamplingParams(temperature=temperature).check()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_temperature_overflows_the_scores(dtype):
+    """At the floor temperature, logits as large as the dtype holds still give a distribution (the raw
+    logits / temperature would be inf, and softmax nan); the huge gaps make every draw the argmax."""
+    big = torch.finfo(dtype).max
+    logits = torch.tensor([[0.5 * big, -big, 0.0, 0.25 * big], [1.0, 3.0, 2.0, -1.0]], dtype=dtype)  # [2, 4]
+    for temperature in (MIN_TEMPERATURE, 1e30):
+        params = [SamplingParams(temperature=temperature, seed=s) for s in (1, 2)]
+        scores = warp(logits, params[0])
+        assert not scores.isnan().any() and (scores.amax(-1) == 0).all()
+        assert (scores.softmax(-1).sum(-1) - 1).abs().max() < 1e-5
+        tokens = sample(logits, params, [p.generator() for p in params])
+        if temperature == MIN_TEMPERATURE:
+            assert tokens.tolist() == [0, 1]
+        with pytest.raises(RuntimeError):  # what the unshifted scores would have given torch.multinomial
+            torch.multinomial((logits[0].float() / 1e-40).softmax(-1), 1)
+
+
+def test_draw_is_multinomials_draw():
+    probs = torch.rand(50, generator=torch.Generator().manual_seed(0)) ** 4  # [50], unnormalised
+    for seed in range(40):
+        ours = draw(probs, torch.Generator().manual_seed(seed))
+        assert ours.item() == torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).item()
+
+
+def test_sample_rows_fails_a_row_alone():
+    """A row whose logits hold nan (a greedy one too) or +inf, or whose parameters are bad, fails with one
+    line of its own; the other rows get the tokens sample() gives them alone."""
+    logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))  # [5, 32]
+    logits[1, 7] = float("nan")
+    logits[3, 2] = float("inf")
+    logits[4, 9] = float("-inf")  # a masked token is fine
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(), SamplingParams(temperature=1.2, seed=2),
+              SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=1e-40)]
+    gens = [p.generator() if p.temperature >= MIN_TEMPERATURE else None for p in params]
+    gens[4] = torch.Generator()
+    tokens, errors = sample_rows(logits, params, gens)
+    assert sorted(errors) == [1, 3, 4] and [tokens[r] is None for r in range(5)] == [False, True, False, True, True]
+    assert "finite logits, found nan or +inf" in str(errors[1]) and isinstance(errors[1], RunError)
+    assert "finite logits" in str(errors[3])
+    assert isinstance(errors[4], InputError) and "params[4].temperature" in str(errors[4])
+    assert all("\n" not in str(e) for e in errors.values())
+    for r in (0, 2):
+        alone = sample(logits[r:r + 1], [params[r]], [params[r].generator()])[0].item()
+        assert tokens[r] == alone
+    with pytest.raises(InputError, match="one per row"):  # a wrong call is the caller's, not a row's
+        sample_rows(logits, params[:2], gens[:2])

@@ -195,6 +195,7 @@ def test_bad_requests_get_400_and_the_server_goes_on(server):
         ({**ok, "max_new_tokens": 0}, "max_new_tokens: expected an integer >= 1"),
         ({**ok, "max_new_tokens": "4"}, "max_new_tokens: expected an integer >= 1"),
         ({**ok, "temperature": -1}, "sampling.temperature"),
+        ({**ok, "temperature": 1e-40}, "sampling.temperature: expected 0 (greedy) or a finite number >= 1e-05, found 1e-40"),
         ({**ok, "top_k": 1.5}, "sampling.top_k"),
         ({**ok, "top_p": 0}, "sampling.top_p"),
         ({**ok, "seed": -1}, "sampling.seed"),

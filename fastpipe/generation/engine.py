@@ -25,74 +25,19 @@ the engine goes on. submit() and the request methods are safe from any thread.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+import warnings
+from typing import Sequence
 
 import torch
 
 from fastpipe.errors import FastpipeError, InputError, RunError
 from fastpipe.generation.buckets import CACHE_ROW, LOGITS_INDEX, ServingBuckets, last_logits_only, writes_cache
 from fastpipe.generation.kv_state import KVState, cache_rows
-from fastpipe.generation.sampling import SamplingParams, sample
+from fastpipe.generation.request import Request
+from fastpipe.generation.sampling import SamplingParams, sample_rows
 from fastpipe.model_io import assemble_outputs, to_pipeline_inputs
-
-_DONE = object()
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation: its tokens arrive on a queue as they are made (iterate, or result())."""
-    id: int
-    prompt: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams
-    eos: frozenset
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None          # "eos", "length", "cancelled" or "error"
-    error: BaseException | None = None
-    _queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
-    _cancel: bool = False
-
-    def __iter__(self) -> Iterator[int]:
-        while True:
-            item = self._queue.get()
-            if item is _DONE:
-                if self.error is not None:
-                    raise self.error
-                return
-            yield item
-
-    def result(self, timeout: float | None = None) -> list[int]:
-        """All tokens, once the request is finished (raises what failed it)."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.id}: not finished after {timeout} s")
-        if self.error is not None:
-            raise self.error
-        return list(self.tokens)
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def cancel(self) -> None:
-        self._cancel = True
-
-    # engine side
-    def _emit(self, token: int) -> None:
-        self.tokens.append(token)
-        self._queue.put(token)
-
-    def _finish(self, reason: str, error: BaseException | None = None) -> None:
-        if self._done.is_set():
-            return
-        self.finish_reason, self.error = reason, error
-        self._done.set()
-        self._queue.put(_DONE)
-
 
 class _Row:
     __slots__ = ("req", "position", "token", "generator")
@@ -154,6 +99,7 @@ class Engine:
         self._waiting: list[Request] = []
         self._ids = itertools.count()
         self._busy = threading.Lock()          # held while the sessions run (the worker, or warmup())
+        self.retries = 0                       # steps and prefills run a second time after a failure
         self.warmup_seconds = 0.0
         if warmup:
             self.warmup()
@@ -230,13 +176,20 @@ class Engine:
             self._cv.notify()
 
     def close(self, *, cancel: bool = False, timeout: float | None = None) -> None:
-        """Stop taking requests; finish the in-flight ones (cancel=True: end them now, reason
-        "cancelled"), then stop the worker and release the sessions."""
+        """Stop taking requests; finish the in-flight ones (cancel=True: end them at the next step, reason
+        "cancelled"); the worker then stops and releases the sessions. timeout: wait at most that many
+        seconds; requests still in flight then end "cancelled" at once (keeping the tokens they have), and
+        the worker releases the sessions when the step it is running returns, never under it."""
         with self._cv:
-            self._closing, self._cancel_all = True, cancel
+            self._closing = True
+            self._cancel_all = self._cancel_all or cancel
             self._cv.notify()
         self._worker.join(timeout)
-        self.buckets.close()
+        if self._worker.is_alive():
+            with self._cv:
+                self._cancel_all = True
+                for r in self._in_flight():
+                    r._finish("cancelled")
 
     def __enter__(self):
         return self
@@ -248,37 +201,42 @@ class Engine:
     def active(self) -> int:
         return sum(r is not None for r in self.rows)
 
+    def _in_flight(self) -> list[Request]:
+        return self._waiting + [row.req for row in self.rows if row is not None]
+
     # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
-        while True:
+        """The worker: steps while there is work, until closed; it alone runs and releases the sessions."""
+        try:
+            while True:
+                with self._cv:
+                    while not self._waiting and not self.active and not self._closing:
+                        self._cv.wait()
+                    if self._closing and (self._cancel_all or (not self._waiting and not self.active)):
+                        self._end_all("cancelled")
+                        return
+                    newcomers = self._take_newcomers()
+                with self._busy:
+                    self._advance(newcomers)
+        except BaseException as e:    # a fault of the engine itself: nothing may wait forever on it
             with self._cv:
-                while not self._waiting and not self.active and not self._closing:
-                    self._cv.wait()
-                if self._closing and (self._cancel_all or (not self._waiting and not self.active)):
-                    for r in self._waiting + [row.req for row in self.rows if row is not None]:
-                        r._finish("cancelled")
-                    self._waiting.clear()
-                    self.rows = [None] * self.batch
-                    return
-                newcomers = self._take_newcomers()
-            with self._busy:
-                self._advance(newcomers)
+                self._closing = True
+                self._end_all("error", RunError(f"generation engine: {type(e).__name__}: {' '.join(str(e).split())}"))
+            raise
+        finally:
+            self.buckets.close()
+
+    def _end_all(self, reason: str, error: BaseException | None = None) -> None:
+        for r in self._in_flight():
+            r._finish(reason, error)
+        self._waiting.clear()
+        self.rows = [None] * self.batch
 
     def _advance(self, newcomers: list[Request]) -> None:
-        """Admit the newcomers, then one decode step; a failure fails the requests it touched."""
-        try:
-            self._admit(newcomers)
-        except Exception as e:  # noqa: BLE001 - the newcomers fail, the engine goes on
-            for r in newcomers:
-                self._release(r, "error", _as_error(e))
+        """Admit the newcomers, then one decode step; failures end only the requests they belong to."""
+        self._admit(newcomers)
         if self.active:
-            try:
-                self._step()
-            except Exception as e:  # noqa: BLE001 - the rows of this step fail, the engine goes on
-                for k, row in enumerate(self.rows):
-                    if row is not None:
-                        self.rows[k] = None
-                        row.req._finish("error", _as_error(e))
+            self._step()
 
     def _take_newcomers(self) -> list[Request]:
         for k, row in enumerate(self.rows):                      # cancelled rows free up first
@@ -292,6 +250,17 @@ class Engine:
         out, self._waiting = self._waiting[:free], self._waiting[free:]
         return out
 
+    def _retrying(self, what: str, run):
+        """run(), and once more if it raises (a transient fault: out of memory, a flaky device). Running a
+        step again is exact: it rewrites the same cache positions from the same inputs. Warns (the reason)."""
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001
+            self.retries += 1
+            warnings.warn(f"fastpipe: {what} failed ({type(e).__name__}: {' '.join(str(e).split())}); running it "
+                          "once more", RuntimeWarning, stacklevel=2)
+            return run()
+
     def _admit(self, reqs: list[Request]) -> None:
         """Prefill the newcomers (grouped into prefill buckets) into free rows, and emit each one's first
         token."""
@@ -299,20 +268,42 @@ class Engine:
             b, s, sess = self.buckets.prefill_for(len(reqs), max(len(r.prompt) for r in reqs))
             group = [r for r in reqs if len(r.prompt) <= s][:b]
             reqs = [r for r in reqs if r not in group]
-            rows = [k for k, row in enumerate(self.rows) if row is None][:len(group)]
-            if id(sess) in self._prefill_caches:         # writes the prompts into their rows (in place)
-                outs = sess.run(self._prefill_inputs(sess, list(zip(rows, group))))
-                last = assemble_outputs(sess.pipeline, outs, only=("logits",), device=self.device)["logits"]
-                last = last[:len(group), 0]                                                      # [n, V]
-            else:                                        # an older set's: returns caches, copied into the rows
-                last, out = self._prefill_returning_caches(sess, b, s, group)
-                for k, (row, _) in enumerate(zip(rows, group)):
-                    self.kv.admit(row, out, k)
-            gens = [r.sampling.generator(last.device) for r in group]
-            first = sample(last, [r.sampling for r in group], gens).tolist()
-            for k, (row, r) in enumerate(zip(rows, group)):
+            self._prefill_group(sess, b, s, group)
+
+    def _prefill_group(self, sess, b: int, s: int, group: list[Request]) -> None:
+        """Prefill `group` into free rows and start each one with its first token. A prefill that fails
+        twice (see _retrying) fails a lone request; a group of several is prefilled again one by one, in
+        the one-row bucket that fits, so that only the requests that fail alone fail."""
+        rows = [k for k, row in enumerate(self.rows) if row is None][:len(group)]
+        try:
+            last = self._retrying(f"prefill {sess.pipeline.name}", lambda: self._prefill(sess, b, s, rows, group))
+        except Exception as e:  # noqa: BLE001
+            if len(group) == 1:
+                group[0]._finish("error", _as_error(e))
+                return
+            for r in group:
+                b1, s1, one = self.buckets.prefill_for(1, len(r.prompt))
+                self._prefill_group(one, b1, s1, [r])
+            return
+        gens = [r.sampling.generator(last.device) for r in group]
+        first, errors = sample_rows(last, [r.sampling for r in group], gens)
+        for k, (row, r) in enumerate(zip(rows, group)):
+            if k in errors:
+                r._finish("error", errors[k])
+            else:
                 self.rows[row] = _Row(r, len(r.prompt), first[k], gens[k])
                 self._emitted(row, first[k])
+
+    def _prefill(self, sess, b: int, s: int, rows: list[int], group: list[Request]) -> torch.Tensor:
+        """Run the prefill of `group` into `rows`: each prompt's logits at its last token [n, V]."""
+        if id(sess) in self._prefill_caches:             # writes the prompts into their rows (in place)
+            outs = sess.run(self._prefill_inputs(sess, list(zip(rows, group))))
+            last = assemble_outputs(sess.pipeline, outs, only=("logits",), device=self.device)["logits"]
+            return last[:len(group), 0]                                                      # [n, V]
+        last, out = self._prefill_returning_caches(sess, b, s, group)   # an older set's: caches copied in
+        for k, row in enumerate(rows):
+            self.kv.admit(row, out, k)
+        return last
 
     def _prefill_inputs(self, sess, placed) -> dict:
         """A prefill into the cache's pipeline inputs for `placed` [(row, request)]: prompts right-padded to
@@ -354,35 +345,43 @@ class Engine:
         return {**inputs, **self.kv.tensors}
 
     def _step(self) -> None:
-        """One decode step for every row (free rows compute on token 0 at position 0, unread)."""
+        """One decode step for every row (free rows compute on token 0 at position 0, unread). A step that
+        fails twice (see _retrying) fails every row in it: it is the engine's fault, not one request's."""
         live = [(k, row) for k, row in enumerate(self.rows) if row is not None]
-        outs = self.decode.run(self._step_inputs(live))
-        logits = assemble_outputs(self.decode.pipeline, outs, only=("logits",), device=self.device)["logits"][:, 0]  # [B, V]
-        self.steps += 1
-        if not live:
+        try:
+            logits = self._retrying("decode step", lambda: self._decode(live))                    # [B, V]
+        except Exception as e:  # noqa: BLE001 - the engine goes on with the next requests
+            for k, row in live:
+                self.rows[k] = None
+                row.req._finish("error", _as_error(e))
             return
+        self.steps += 1
         rows = [k for k, _ in live]
-        toks = sample(logits[rows], [row.req.sampling for _, row in live], [row.generator for _, row in live])
-        for (k, row), tok in zip(live, toks.tolist()):
+        toks, errors = sample_rows(logits[rows], [row.req.sampling for _, row in live], [row.generator for _, row in live])
+        for i, (k, row) in enumerate(live):
+            if i in errors:                                  # this row's sampling failed: it alone ends
+                self.rows[k] = None
+                row.req._finish("error", errors[i])
+                continue
             row.position += 1
-            row.token = tok
-            self._emitted(k, tok)
+            row.token = toks[i]
+            self._emitted(k, toks[i])
+
+    def _decode(self, live) -> torch.Tensor:
+        outs = self.decode.run(self._step_inputs(live))
+        return assemble_outputs(self.decode.pipeline, outs, only=("logits",), device=self.device)["logits"][:, 0]  # [B, V]
 
     def _emitted(self, k: int, tok: int) -> None:
         row = self.rows[k]
         req = row.req
-        req._emit(tok)
+        if not req._emit(tok):                  # already ended (a close that timed out): the row frees
+            self.rows[k] = None
+            return
         reason = ("eos" if tok in req.eos else "length" if len(req.tokens) >= req.max_new_tokens
                   else "cancelled" if req._cancel else None)
         if reason is not None:
             self.rows[k] = None
             req._finish(reason)
-
-    def _release(self, r: Request, reason: str, error=None) -> None:
-        for k, row in enumerate(self.rows):
-            if row is not None and row.req is r:
-                self.rows[k] = None
-        r._finish(reason, error)
 
 
 def _right_padded(reqs: list[Request], b: int, s: int) -> torch.Tensor:

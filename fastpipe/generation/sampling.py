@@ -2,7 +2,15 @@
 
 A request's tokens depend only on its own logits, parameters and generator, never on which other requests
 share its batch: greedy rows take one vectorised argmax, each sampled row is warped and drawn on its own.
-Warping follows transformers' order and rules (temperature, then top-k, then top-p, min_tokens_to_keep=1).
+Warping follows transformers' order and rules (temperature, then top-k, then top-p, min_tokens_to_keep=1),
+on scores shifted so that each row's largest is 0 (the distribution is the same): no temperature can
+overflow them. A temperature is 0 (greedy) or at least MIN_TEMPERATURE; below it every draw would be the
+argmax anyway, so the request is refused rather than silently made greedy.
+
+A sampled token is drawn as torch.multinomial draws one: argmax(probs / E), E ~ Exp(1) from the row's
+generator (the same tokens for the same generator state), without multinomial's host synchronisations.
+`sample_rows` fails rows alone: a row whose logits hold nan or +inf, or whose draw raises, gets an
+error of its own and the other rows their tokens (the engine fails that request alone).
 """
 from __future__ import annotations
 
@@ -12,9 +20,10 @@ from typing import Sequence
 
 import torch
 
-from fastpipe.errors import InputError, at
+from fastpipe.errors import InputError, RunError, at
 
 _NEG_INF = float("-inf")
+MIN_TEMPERATURE = 1e-5  # smallest temperature > 0 accepted (0 is greedy)
 
 
 def _real(x: object) -> bool:
@@ -23,7 +32,7 @@ def _real(x: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0: greedy (argmax of the raw logits); > 0: sample from softmax(logits / temperature)
+    temperature: float = 0.0  # 0: greedy (argmax of the raw logits); >= MIN_TEMPERATURE: softmax(logits / temperature)
     top_k: int = 0  # 0: off; else keep the k most likely tokens (and any tied with the k-th)
     top_p: float = 1.0  # nucleus: keep the smallest set of most likely tokens whose probability sums to >= top_p
     seed: int | None = None  # seeds this request's torch.Generator (None: a nondeterministic seed)
@@ -31,8 +40,8 @@ class SamplingParams:
     def check(self, where: str = "sampling") -> None:
         """Raise InputError (one line, naming ``{where}.{field}``) for the first invalid field."""
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
-        if not (_real(t) and math.isfinite(t) and t >= 0):
-            raise at(f"{where}.temperature", "a finite number >= 0", repr(t), InputError)
+        if not (_real(t) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+            raise at(f"{where}.temperature", f"0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}", repr(t), InputError)
         if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
             raise at(f"{where}.top_k", "an int >= 0 (0: off)", repr(k), InputError)
         if not (_real(p) and 0 < p <= 1):  # nan fails the comparison
@@ -57,7 +66,8 @@ class SamplingParams:
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Scores to draw from: float32, filtered tokens -inf, same shape as ``logits`` ([V] or [R, V]).
+    """Scores to draw from: float32, filtered tokens -inf, same shape as ``logits`` ([V] or [R, V]), shifted
+    so that each row's largest score is 0 (transformers' warped scores minus their row's max).
 
     Greedy params keep only the argmax (lowest index on ties), so softmax(warp(...)) is always the
     distribution ``sample`` draws from. As transformers' generate, top_k=0 and top_p=1 apply no filter.
@@ -66,6 +76,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     params.check()
     scores = logits.float()  # [..., V]
+    scores = scores - scores.amax(-1, keepdim=True)  # [..., V] <= 0, the max 0: no temperature overflows it
     if params.greedy:
         keep = torch.nn.functional.one_hot(scores.argmax(-1), scores.size(-1)).bool()  # [..., V]
         return scores.masked_fill(~keep, _NEG_INF)
@@ -84,34 +95,66 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scores
 
 
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
-    """One token per row of ``logits`` [R, V] (any float dtype) -> LongTensor [R] on the logits' device.
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One index drawn from ``probs`` [V] (finite, >= 0, not all 0): argmax(probs / E), E ~ Exp(1), as
+    torch.multinomial(probs, 1, generator=generator) draws it, without its checks' host synchronisations."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)  # [V]
+    return (probs / q).argmax()
 
-    Row r uses ``params[r]`` and ``generators[r]`` (from ``params[r].generator(device)``; None only for greedy rows).
-    """
+
+def _check_call(logits: torch.Tensor, params: Sequence[SamplingParams], generators) -> None:
     if logits.dim() != 2 or not logits.is_floating_point():
         raise at("logits", "a float tensor [R, V]", f"{logits.dtype} {list(logits.shape)}", InputError)
     rows = logits.size(0)
     if len(params) != rows or len(generators) != rows:
         raise at("sample", f"{rows} params and generators (one per row)", f"{len(params)} and {len(generators)}", InputError)
+
+
+def _check_row(r: int, p: SamplingParams, gen, device: torch.device) -> None:
+    p.check(f"params[{r}]")
+    if not p.greedy and gen is None:
+        raise at(f"generators[{r}]", "a torch.Generator for a sampled row", "None", InputError)
+    if gen is not None and gen.device.type != device.type:
+        raise at(f"generators[{r}]", f"a generator on the logits' device ({device})", f"one on {gen.device}", InputError)
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """One token per row of ``logits`` [R, V] (any float dtype) -> LongTensor [R] on the logits' device.
+
+    Row r uses ``params[r]`` and ``generators[r]`` (from ``params[r].generator(device)``; None only for greedy
+    rows). Bad parameters raise InputError naming the row; see sample_rows for failing rows alone.
+    """
+    _check_call(logits, params, generators)
     for r, p in enumerate(params):
-        p.check(f"params[{r}]")
-        if not p.greedy and generators[r] is None:
-            raise at(f"generators[{r}]", "a torch.Generator for a sampled row", "None", InputError)
-        if generators[r] is not None and generators[r].device.type != logits.device.type:
-            raise at(f"generators[{r}]", f"a generator on the logits' device ({logits.device})",
-                     f"one on {generators[r].device}", InputError)
-    greedy = [r for r, p in enumerate(params) if p.greedy]
-    if len(greedy) == rows:
-        return logits.argmax(-1)  # [R]; argmax is exact in any float dtype
-    out = torch.empty(rows, dtype=torch.long, device=logits.device)  # [R]
-    if greedy:
-        idx = torch.tensor(greedy, device=logits.device)  # [G]
-        out[idx] = logits[idx].argmax(-1)  # [G]
+        _check_row(r, p, generators[r], logits.device)
+    out = logits.argmax(-1)  # [R]; argmax is exact in any float dtype; sampled rows are drawn below
     for r, p in enumerate(params):
         if not p.greedy:
-            probs = warp(logits[r], p).softmax(-1)  # [V]
-            out[r] = torch.multinomial(probs, 1, generator=generators[r])[0]
+            out[r] = draw(warp(logits[r], p).softmax(-1), generators[r])
     return out
+
+
+def sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> tuple[list[int | None], dict[int, Exception]]:
+    """sample(), failing rows alone: (each row's token, None for a failed row; {row: its one-line error}).
+    A row fails when its parameters or generator are bad, its draw raises, or its logits hold nan or +inf
+    (a greedy row too: its argmax would mean nothing). One device-to-host transfer for all rows."""
+    _check_call(logits, params, generators)
+    out = logits.argmax(-1)  # [R]
+    errors: dict[int, Exception] = {}
+    for r, p in enumerate(params):
+        try:
+            _check_row(r, p, generators[r], logits.device)
+            if not p.greedy:
+                out[r] = draw(warp(logits[r], p).softmax(-1), generators[r])
+        except Exception as e:  # noqa: BLE001 - this row fails, the others are drawn
+            errors[r] = e if isinstance(e, InputError) else RunError(f"sampling: {type(e).__name__}: {' '.join(str(e).split())}")
+    broken = (logits.isnan() | logits.isposinf()).any(-1)  # [R]
+    tokens, broken = torch.stack([out, broken.long()]).tolist()  # the one transfer
+    for r, b in enumerate(broken):
+        if b and r not in errors:
+            errors[r] = RunError("sampling: expected finite logits, found nan or +inf in this request's row")
+    return [None if r in errors else t for r, t in enumerate(tokens)], errors
