@@ -240,9 +240,10 @@ def test_python_m_fastpipe_generate_end_to_end(serving_set, model_dir):
     (["--prompt-ids", "5", "--top-p", "0.5"], "--top-p: expected --temperature > 0 with it"),
     (["--prompt-ids", "5", "--temperature", "0.5", "--top-k", "-1"], "--top-k: expected an integer >= 0"),
     (["--prompt-ids", "5", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer >= 1, found 0"),
+    (["--prompt-ids", "5", "--temperature", "1e-40"], "--temperature: expected 0 (greedy) or a finite number >= 1e-05, found 1e-40"),
     ([], "one of the arguments --prompt --prompt-ids is required"),
 ], ids=["no-tokenizer", "prompt-too-long", "past-max-len", "id-past-vocab", "negative-id", "bad-ids", "batch",
-        "top-p-greedy", "top-k", "max-new-0", "no-prompt"])
+        "top-p-greedy", "top-k", "max-new-0", "temperature-below-floor", "no-prompt"])
 def test_generate_errors(serving_set, capsys, args, expected):
     code, out, err = cli(capsys, "generate", serving_set[0], "--no-compile", *args)
     assert out == ""

@@ -86,11 +86,11 @@ def cmd_generate(args) -> int:
 
 def sampling_params(args):
     """SamplingParams of the flags; each bad value is an InputError naming its flag."""
-    from fastpipe.generation.sampling import SamplingParams
+    from fastpipe.generation.sampling import MIN_TEMPERATURE, SamplingParams
 
     t, k, p, s = args.temperature, args.top_k, args.top_p, args.seed
-    if not (math.isfinite(t) and t >= 0):
-        raise InputError(f"--temperature: expected a finite number >= 0 (0: greedy), found {t}")
+    if not (math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+        raise InputError(f"--temperature: expected 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, found {t}")
     if k is not None and k < 0:
         raise InputError(f"--top-k: expected an integer >= 0 (0: off), found {k}")
     if p is not None and not 0 < p <= 1:

@@ -18,9 +18,13 @@ row samples its next token (fastpipe.generation.sampling, the request's own gene
 streams it. A request finishes at EOS (unless ignore_eos), at max_new_tokens, or when cancelled;
 its row is free for the next waiting request at the next step.
 
-submit() checks a request before it is queued (bad input raises InputError there, and fails
-alone); a failure while running fails the requests of that step, which their callers see, and
-the engine goes on. submit() and the request methods are safe from any thread.
+Faults (docs/serving.md, "Faults"): a request's outcome depends only on its own prompt and parameters.
+submit() checks a request before it is queued (bad input raises InputError there, and fails alone). A
+prefill or decode step that raises runs once more (exact: it rewrites the same cache positions); a
+prefill failing again is split into one prompt per run, so only a prompt that fails alone fails; a row
+whose sampling fails (fastpipe.generation.sampling.sample_rows) fails alone. Only a decode step failing
+twice ends every row in it ("error"): that is the engine's fault, not a request's; the engine goes on.
+submit() and the request methods (fastpipe.generation.request) are safe from any thread.
 """
 from __future__ import annotations
 
