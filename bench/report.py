@@ -1,6 +1,6 @@
 """Run the benchmark suites that fit this machine and print them side by side.
 
-    python bench/report.py [--suites examples,hf,comm,kernels] [--quick] [--out bench/results]
+    python bench/report.py [--suites examples,hf,comm,kernels,sampling] [--quick] [--out bench/results]
 
 Writes <out>/results.json (pytest-benchmark), <out>/report.md (the tables) and
 <out>/latency_vs_size.png (latency against message size for each comm kind; needs matplotlib:
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = {"examples": "bench/test_bench_examples.py", "hf": "bench/test_bench_hf.py",
           "comm": "bench/test_bench_comm.py", "kernels": "bench/test_bench_kernels.py",
-          "foundation": "bench/test_bench_foundation.py"}
+          "foundation": "bench/test_bench_foundation.py", "sampling": "bench/test_bench_sampling.py"}
 
 
 def run(suites: list[str], out: Path, quick: bool) -> Path:

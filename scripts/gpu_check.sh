@@ -223,7 +223,7 @@ run_one() {  # stage, its arguments...: one stage; non-zero when it failed
     cuda) run_pytest cuda cuda || rc=1 ;;
     plain) run_pytest plain "not cuda" || rc=1 ;;
     bench)
-      run_stage bench "$(left 10)" python3 bench/report.py --suites examples,comm,kernels --out "$OUT/bench" \
+      run_stage bench "$(left 10)" python3 bench/report.py --suites examples,comm,kernels,sampling --out "$OUT/bench" \
         "${extra[@]}" || rc=1
       [ -f "$OUT/bench/results.json" ] && mv "$OUT/bench/results.json" "$OUT/bench.json"
       [ -f "$OUT/bench/report.md" ] && cat "$OUT/bench/report.md" >> "$OUT/bench.log"

@@ -224,12 +224,13 @@ def test_draw_is_multinomials_draw():
 
 
 def test_sample_rows_fails_a_row_alone():
-    """A row whose logits hold nan (a greedy one too) or +inf, or whose parameters are bad, fails with one
-    line of its own; the other rows get the tokens sample() gives them alone."""
+    """A row whose logits hold nan (a greedy one too) or +inf, or are all -inf, or whose parameters are bad,
+    fails with one line of its own; the other rows get the tokens sample() gives them alone."""
     logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))  # [5, 32]
     logits[1, 7] = float("nan")
     logits[3, 2] = float("inf")
     logits[4, 9] = float("-inf")  # a masked token is fine
+    logits[0, 11] = float("-inf")
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(), SamplingParams(temperature=1.2, seed=2),
               SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=1e-40)]
     gens = [p.generator() if p.temperature >= MIN_TEMPERATURE else None for p in params]
@@ -243,5 +244,9 @@ def test_sample_rows_fails_a_row_alone():
     for r in (0, 2):
         alone = sample(logits[r:r + 1], [params[r]], [params[r].generator()])[0].item()
         assert tokens[r] == alone
+    masked = torch.full((2, 8), float("-inf"))  # [2, 8]: nothing to draw in row 1
+    masked[0, 3] = 1.0
+    tokens, errors = sample_rows(masked, [SamplingParams(), SamplingParams()], [None, None])
+    assert tokens == [3, None] and "finite logits" in str(errors[1])
     with pytest.raises(InputError, match="one per row"):  # a wrong call is the caller's, not a row's
         sample_rows(logits, params[:2], gens[:2])

@@ -140,10 +140,11 @@ def sample_rows(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> tuple[list[int | None], dict[int, Exception]]:
     """sample(), failing rows alone: (each row's token, None for a failed row; {row: its one-line error}).
-    A row fails when its parameters or generator are bad, its draw raises, or its logits hold nan or +inf
-    (a greedy row too: its argmax would mean nothing). One device-to-host transfer for all rows."""
+    A row fails when its parameters or generator are bad, its draw raises, or its logits hold nan or +inf,
+    or are all -inf (a greedy row too: its argmax would mean nothing). One device-to-host transfer."""
     _check_call(logits, params, generators)
-    out = logits.argmax(-1)  # [R]
+    out = logits.argmax(-1)  # [R]; argmax takes nan as the largest, so:
+    top = logits.gather(-1, out[:, None])[:, 0]  # [R] each row's largest logit, nan if it holds one
     errors: dict[int, Exception] = {}
     for r, p in enumerate(params):
         try:
@@ -152,7 +153,7 @@ def sample_rows(
                 out[r] = draw(warp(logits[r], p).softmax(-1), generators[r])
         except Exception as e:  # noqa: BLE001 - this row fails, the others are drawn
             errors[r] = e if isinstance(e, InputError) else RunError(f"sampling: {type(e).__name__}: {' '.join(str(e).split())}")
-    broken = (logits.isnan() | logits.isposinf()).any(-1)  # [R]
+    broken = ~top.isfinite()  # [R] nan or +inf somewhere in the row (or every logit -inf: nothing to draw)
     tokens, broken = torch.stack([out, broken.long()]).tolist()  # the one transfer
     for r, b in enumerate(broken):
         if b and r not in errors:
