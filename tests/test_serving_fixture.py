@@ -55,8 +55,8 @@ def test_committed_greedy_tokens_win_by_a_margin_no_device_rounding_can_flip(mon
 
     def greedy(logits, params, gens):                        # logits [R, V]
         rows.append(logits.detach().clone())
-        return logits.argmax(-1)
-    monkeypatch.setattr(engine_mod, "sample", greedy)
+        return logits.argmax(-1).tolist(), {}
+    monkeypatch.setattr(engine_mod, "sample_rows", greedy)
     with Engine(SET, eos_token_id=None, compile=False) as eng:
         assert _generate(eng) == EXPECTED["tokens"]
     top2 = torch.cat(rows).topk(2, dim=-1).values                 # [steps, 2]
@@ -75,7 +75,7 @@ def _watch_engine_devices(monkeypatch) -> dict:
     from fastpipe.session import Session
 
     seen = {"assemble": [], "sample": [], "prefill": []}
-    assemble, sample, prefill_inputs = engine_mod.assemble_outputs, engine_mod.sample, Engine._prefill_inputs
+    assemble, sample, prefill_inputs = engine_mod.assemble_outputs, engine_mod.sample_rows, Engine._prefill_inputs
 
     def assemble_spy(*a, device=None, **kw):
         seen["assemble"].append(device)
@@ -91,7 +91,7 @@ def _watch_engine_devices(monkeypatch) -> dict:
         return inputs
 
     monkeypatch.setattr(engine_mod, "assemble_outputs", assemble_spy)
-    monkeypatch.setattr(engine_mod, "sample", sample_spy)
+    monkeypatch.setattr(engine_mod, "sample_rows", sample_spy)
     monkeypatch.setattr(Engine, "_prefill_inputs", prefill_spy)
     monkeypatch.setattr(Session, "run_model", lambda *a, **kw: pytest.fail("a prefill ran at the model level"))
     monkeypatch.setattr(KVState, "admit", lambda *a: pytest.fail("a prefill's caches were copied"))
