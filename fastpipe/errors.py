@@ -75,3 +75,8 @@ def key_path(base: str, key: str | int) -> str:
     if isinstance(key, int):
         return f"{base}[{key}]"
     return f'{base}["{key}"]'
+
+
+def described(e: BaseException) -> str:
+    """An exception as one line: its type, then its message with runs of whitespace made one space."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from fastpipe.errors import FastpipeError, InputError, RunError
+from fastpipe.errors import FastpipeError, InputError, RunError, described
 from fastpipe.generation.buckets import CACHE_ROW, LOGITS_INDEX, ServingBuckets, last_logits_only, writes_cache
 from fastpipe.generation.kv_state import KVState, cache_rows
 from fastpipe.generation.request import Request
@@ -225,7 +225,7 @@ class Engine:
         except BaseException as e:    # a fault of the engine itself: nothing may wait forever on it
             with self._cv:
                 self._closing = True
-                self._end_all("error", RunError(f"generation engine: {type(e).__name__}: {' '.join(str(e).split())}"))
+                self._end_all("error", RunError(f"generation engine: {described(e)}"))
             raise
         finally:
             self.buckets.close()
@@ -261,8 +261,8 @@ class Engine:
             return run()
         except Exception as e:  # noqa: BLE001
             self.retries += 1
-            warnings.warn(f"fastpipe: {what} failed ({type(e).__name__}: {' '.join(str(e).split())}); running it "
-                          "once more", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"fastpipe: {what} failed ({described(e)}); running it once more", RuntimeWarning,
+                          stacklevel=2)
             return run()
 
     def _admit(self, reqs: list[Request]) -> None:
@@ -435,4 +435,4 @@ def _eos_ids(folder) -> list[int]:
 
 
 def _as_error(e: Exception) -> BaseException:
-    return e if isinstance(e, FastpipeError) else RunError(f"generation step: {type(e).__name__}: {' '.join(str(e).split())}")
+    return e if isinstance(e, FastpipeError) else RunError(f"generation step: {described(e)}")

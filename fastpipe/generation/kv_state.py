@@ -39,21 +39,19 @@ def cache_rows(session) -> int:
     return meta.tensors_inputs[meta.slices_inputs[next(iter(session.state))].origin].shape[0]
 
 
-def _by_slot(session) -> list[str]:
-    """The session's cache inputs in slot order (then input order): replicas are told apart by it."""
+def _cache_keys(session) -> dict[str, tuple]:
+    """Each cache input of the session, in slot order -> (origin, heads, positions, dims, device, replica):
+    the replica is the k-th slice with the same rest in slot order (tensor parallelism wider than the KV
+    heads gives several ranks the same head on one device, each writing its own tensor; a prefill's ranks
+    match the decode step's in slot order)."""
     slices = session.pipeline.metadata.slices_inputs
     order = {slot: i for i, slot in enumerate(session.pipeline.devices)}
-    return sorted(session.state, key=lambda n: order.get(slices[n].device, len(order)))
-
-
-def _replica_key(taken, key: tuple) -> tuple:
-    """`key` (origin, heads, positions, dims, device) with the replica number: the k-th slice with the same
-    key in slot order (tensor parallelism wider than the KV heads gives several ranks the same head on one
-    device, each writing its own tensor; the prefills' ranks match the decode step's in slot order)."""
-    k = 0
-    while (*key, k) in taken:
-        k += 1
-    return (*key, k)
+    keys: dict[str, tuple] = {}
+    for name in sorted(session.state, key=lambda n: order.get(slices[n].device, len(order))):
+        s = slices[name]
+        base = (s.origin, tuple(s.placements[1:]), str(session.slot_devices[s.device]))
+        keys[name] = (*base, sum(k[:-1] == base for k in keys.values()))
+    return keys
 
 
 class KVState:
@@ -64,7 +62,7 @@ class KVState:
         self.full: dict[str, torch.Tensor] = {}            # decode input -> [R, Hkv_slot, M, D]
         self.tensors: dict[str, torch.Tensor] = {}         # decode input -> full[:B], the decode step's
         self._keys: dict[tuple, str] = {}                  # (origin, heads, positions, dims, device, replica) -> input
-        for name in _by_slot(session):
+        for name, key in _cache_keys(session).items():
             s = p.metadata.slices_inputs[name]
             full = p.metadata.tensors_inputs[s.origin].shape            # [B, Hkv, M, D]
             if s.placements[0] != (0, full[0]) or s.placements[2] != (0, full[2]):
@@ -80,7 +78,7 @@ class KVState:
             self.full[name] = t
             self.tensors[name] = t if n_rows == batch else t[:batch]
             self.slices[name] = (s.origin, s.placements)
-            self._keys[_replica_key(self._keys, (s.origin, tuple(s.placements[1:]), str(device)))] = name
+            self._keys[key] = name
         if not self.tensors:
             raise InputError(f"{p.name}: expected cache inputs updated in place (a static-cache decode pipeline), found none")
         self.rows = next(iter(self.full.values())).shape[0]
@@ -89,11 +87,9 @@ class KVState:
         """A prefill into the cache's state inputs (its own names) -> the whole cache tensors, matched by
         origin, the slot's heads, device and replica (slot order); one that does not fit is refused by name."""
         p = session.pipeline
-        out, keys = {}, {}
-        for name in _by_slot(session):
+        out = {}
+        for name, key in _cache_keys(session).items():
             s = p.metadata.slices_inputs[name]
-            key = _replica_key(keys, (s.origin, tuple(s.placements[1:]), str(session.slot_devices[s.device])))
-            keys[key] = name
             mine = self._keys.get(key)
             if mine is None or s.placements[0] != (0, self.rows) or p.tensors[name].shape != self.full[mine].shape:
                 want = self.full[mine].shape if mine is not None else "a cache slice of the decode step's"

@@ -19,9 +19,6 @@ from typing import Iterator
 
 from fastpipe.generation.sampling import SamplingParams
 
-FINISH_REASONS = ("eos", "length", "cancelled", "error")
-
-
 @dataclass(eq=False)
 class Request:
     id: int
@@ -30,7 +27,7 @@ class Request:
     sampling: SamplingParams
     eos: frozenset
     tokens: list[int] = field(default_factory=list)       # appended by the engine only
-    finish_reason: str | None = None                      # one of FINISH_REASONS once finished
+    finish_reason: str | None = None                      # "eos", "length", "cancelled" or "error" once finished
     error: BaseException | None = None
     _changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _cancel: bool = False

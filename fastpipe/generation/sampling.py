@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from fastpipe.errors import InputError, RunError, at
+from fastpipe.errors import InputError, RunError, at, described
 
 _NEG_INF = float("-inf")
 MIN_TEMPERATURE = 1e-5  # smallest temperature > 0 accepted (0 is greedy)
@@ -152,7 +152,7 @@ def sample_rows(
             if not p.greedy:
                 out[r] = draw(warp(logits[r], p).softmax(-1), generators[r])
         except Exception as e:  # noqa: BLE001 - this row fails, the others are drawn
-            errors[r] = e if isinstance(e, InputError) else RunError(f"sampling: {type(e).__name__}: {' '.join(str(e).split())}")
+            errors[r] = e if isinstance(e, InputError) else RunError(f"sampling: {described(e)}")
     broken = ~top.isfinite()  # [R] nan or +inf somewhere in the row (or every logit -inf: nothing to draw)
     tokens, broken = torch.stack([out, broken.long()]).tolist()  # the one transfer
     for r, b in enumerate(broken):
