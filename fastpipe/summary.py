@@ -65,7 +65,8 @@ def summary_text(p: Pipeline) -> str:
 
 
 def _q(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A DOT quoted string: backslashes and quotes escaped, a newline as DOT's own ``\\n`` line break."""
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def dot_text(p: Pipeline) -> str:
@@ -76,7 +77,7 @@ def dot_text(p: Pipeline) -> str:
         out.append(f"    label={_q('slot ' + slot)}; style=rounded;")
         for sid, st in p.supertasks.items():
             if st.device == slot:
-                label = f"{sid}\\n{st.kind}" + (f" [{st.group}]" if st.is_comm else "")
+                label = f"{sid}\n{st.kind}" + (f" [{st.group}]" if st.is_comm else "")
                 shape = "ellipse" if st.is_comm else "box"
                 out.append(f"    {_q('st_' + sid)} [label={_q(label)}, shape={shape}];")
         out.append("  }")

@@ -247,6 +247,9 @@ def test_python_m_fastpipe_generate_end_to_end(serving_set, model_dir):
 def test_generate_errors(serving_set, capsys, args, expected):
     code, out, err = cli(capsys, "generate", serving_set[0], "--no-compile", *args)
     assert out == ""
+    if not args:        # argparse's own error: its usage line follows (tests/test_cli_first_hour.py)
+        err, usage = err.split("\n", 1)[0] + "\n", err.split("\n", 1)[1]
+        assert usage.startswith("usage: fastpipe generate [-h]") and usage.count("\n") == 1, usage
     assert_one_line_error(code, err, expected)
 
 

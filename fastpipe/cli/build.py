@@ -7,10 +7,28 @@ from fastpipe.errors import InputError
 DEFAULT_SEQ_LEN = 128
 
 
+HF_EXTRA = "pip install 'fastpipe[hf]'"
+
+
+def need_transformers(command: str) -> None:
+    """An InputError naming `command` when transformers cannot be imported (it is the [hf] extra)."""
+    try:
+        import transformers  # noqa: F401
+    except ModuleNotFoundError as e:
+        if (e.name or "transformers").split(".")[0] != "transformers":
+            raise InputError(f"{command}: needs transformers ({HF_EXTRA}), which failed to import: "
+                             f"{' '.join(str(e).split())}") from None
+        raise InputError(f"{command}: needs transformers ({HF_EXTRA}), not installed") from None
+    except ImportError as e:      # installed but broken (a missing or mismatched dependency of its own)
+        raise InputError(f"{command}: needs transformers ({HF_EXTRA}), which failed to import: "
+                         f"{' '.join(str(e).split())}") from None
+
+
 def cmd_build(args) -> int:
     import time
     from pathlib import Path
 
+    need_transformers("build")
     from fastpipe.builder.hf.build import build_hf
 
     model_dir = Path(args.model)

@@ -124,8 +124,10 @@ def load_tokenizer(folder: Path):
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
-        raise InputError(f"tokenizer: expected transformers to be installed to read \"{folder}\"'s tokenizer, "
-                         f"found: {e}; give token ids with --prompt-ids (and --ids)") from None
+        missing = isinstance(e, ModuleNotFoundError) and (e.name or "transformers").split(".")[0] == "transformers"
+        why = "not installed" if missing else f"which failed to import: {' '.join(str(e).split())}"
+        raise InputError(f"generate: needs transformers (pip install 'fastpipe[hf]') to read the tokenizer in "
+                         f"\"{folder}\", {why}; or give token ids with --prompt-ids and print ids with --ids") from None
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

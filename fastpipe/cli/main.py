@@ -10,6 +10,7 @@ fastpipe.cli.tune.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import traceback
 
@@ -18,15 +19,107 @@ from fastpipe.cli.common import EXIT_FAILED
 from fastpipe.errors import FastpipeError, InputError
 
 
+PROG = "fastpipe"
+
+
+class UsageError(InputError):
+    """An argparse error: one `fastpipe: error: ...` line naming the (sub)command, then its usage line."""
+
+    def __init__(self, message: str, usage: str):
+        super().__init__(message)
+        self.usage = usage
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own errors: one line, exit 2
-        raise InputError(f"{self.prog}: {message}")
+    def error(self, message):  # argparse's own errors: exit 2, the message once, no traceback
+        raise UsageError(f"{self.command_context()}{message}", short_usage(self))
+
+    def command_context(self) -> str:
+        """'run: ' for `fastpipe run`'s parser; '' for the top-level one (main prints 'fastpipe: error: ')."""
+        rest = self.prog[len(PROG):].strip() if self.prog.startswith(PROG) else self.prog
+        return f"{rest}: " if rest else ""
+
+    def option_strings(self) -> list[str]:
+        return [o for a in self._actions for o in a.option_strings if a.help is not argparse.SUPPRESS]
+
+    def _check_value(self, action, value):  # invalid choices: suggest the closest where argparse does not
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:
+            msg = e.message
+            if action.choices is not None and isinstance(value, str) and "meant" not in msg:
+                close = difflib.get_close_matches(value, [str(c) for c in action.choices], n=1)
+                if close:
+                    raise argparse.ArgumentError(action, f"{msg} (did you mean {close[0]!r}?)") from None
+            raise
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    """'fastpipe 0.1.0 (torch 2.13.0+cpu)': the installed distribution's version, else the package's."""
+    from importlib import metadata
+
+    try:
+        ours = metadata.version("fastpipe")
+    except metadata.PackageNotFoundError:
+        from fastpipe import __version__ as ours
+    import torch
+
+    return f"fastpipe {ours} (torch {torch.__version__})"
+
+
+def short_usage(p: argparse.ArgumentParser) -> str:
+    """One usage line: -h, what is required (positionals, required options and groups), and '[options]'
+    where the parser has more; `fastpipe run -h` lists them all."""
+    groups = [g for g in p._mutually_exclusive_groups if g.required]
+    grouped = {id(a) for g in groups for a in g._group_actions}
+    keep = [a for a in p._actions
+            if a.help is not argparse.SUPPRESS and ("-h" in a.option_strings or not a.option_strings
+                                                    or a.required or id(a) in grouped)]
+    more = any(a not in keep and a.help is not argparse.SUPPRESS and a.option_strings for a in p._actions)
+    try:
+        formatter = argparse.HelpFormatter(p.prog, width=100_000)
+        formatter.add_usage(None, keep, groups, prefix="")
+        line = " ".join(formatter.format_help().split())
+    except Exception:  # noqa: BLE001 - argparse's formatter internals differ across Pythons: the full usage then
+        return p.format_usage().rstrip("\n")
+    if more:
+        line = line.replace("[-h]", "[-h] [options]", 1)
+    return f"usage: {line}"
+
+
+def _unrecognized(ap: argparse.ArgumentParser, args, extras: list[str]) -> UsageError:
+    """argparse reports a subcommand's unknown arguments from the top-level parser: name the subcommand, and
+    suggest the closest of its options (and the top-level ones) for each unknown option."""
+    p = ap.subparsers.get(getattr(args, "command", None), ap)
+    options = p.option_strings() + ([] if p is ap else ap.option_strings())
+    names = {o.lstrip("-"): o for o in reversed(options)}       # a subcommand's own option first
+    flags = [a.split("=", 1)[0] for a in extras
+             if a.startswith("-") and len(a) > 1 and not a.lstrip("-").replace(".", "").isdigit()]
+    hints = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag.lstrip("-"), list(names), n=1)    # names alike, not dashes
+        if close:
+            hints.append(f"{flag}: did you mean {names[close[0]]}?" if len(flags) > 1
+                         else f"did you mean {names[close[0]]}?")
+    msg = f"{p.command_context()}unrecognized arguments: {' '.join(extras)}"
+    return UsageError(msg + (f" ({'; '.join(hints)})" if hints else ""), short_usage(p))
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="fastpipe", description="Validate, inspect and run split-model pipelines (pipeline.json).")
+    ap = _Parser(prog=PROG, description="Validate, inspect and run split-model pipelines (pipeline.json).")
+    ap.add_argument("--version", action=_Version, help="print fastpipe's and torch's versions and exit")
     ap.add_argument("--verbose", "-v", action="store_true", help="show tracebacks and debug logs")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    ap.subparsers = sub.choices            # command name -> its parser (see _unrecognized)
 
     def common(p, many: bool = False):
         if many:
@@ -197,13 +290,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     verbose = "--verbose" in argv or "-v" in argv
     try:
-        args = parser().parse_args(argv)
+        ap = parser()
+        args, extras = ap.parse_known_args(argv)
+        if extras:
+            raise _unrecognized(ap, args, extras)
         args.argv = list(argv)       # --nproc relaunches the same command line
         if getattr(args, "verbose", False):
             import logging
 
             logging.basicConfig(level=logging.DEBUG)
         return COMMANDS[args.command](args)
+    except UsageError as e:    # the command line itself: the error, then the usage line (no traceback)
+        print(f"fastpipe: error: {e}", file=sys.stderr)
+        print(e.usage, file=sys.stderr)
+        return e.exit_code
     except FastpipeError as e:
         if verbose:
             traceback.print_exc()
