@@ -3,6 +3,7 @@
     flatten_args({"input_ids": t, "past_key_values": [[k0, v0], [k1, v1]]})
         -> {"input_ids": t, "past_key_values_0_0": k0, "past_key_values_0_1": v0, ...}
     to_pipeline_inputs(pipeline, flat)      # each pipeline input = origin[placements] (on its slot)
+    complete_inputs(pipeline, given)        # pipeline inputs a caller left out, sliced from what it gave
     assemble_outputs(pipeline, outputs)     # each original output from its slices (device=: where; the CPU)
 
 Naming (SPEC): a whole argument keeps its name; an element of a nested list/tuple is
@@ -67,6 +68,92 @@ def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor], *, partial: bool = F
         if x.dtype != dtypes.to_torch(o.dtype):
             raise InputError(f"run_model: {s.origin}.dtype: expected {o.dtype}, found {dtypes.TORCH_TO_NAME.get(x.dtype, x.dtype)}")
         out[tensor] = dense(_slice(x, s.placements))
+    return out
+
+
+def _covers_whole(s, origin) -> bool:
+    return tuple(b - a for a, b in s.placements) == tuple(origin.shape) and all(a == 0 for a, _ in s.placements)
+
+
+def input_sources(p, available: Collection[str], names: Collection[str] | None = None, *,
+                  untied: bool = True) -> dict[str, str]:
+    """For each pipeline input (of `names`, default all) missing from `available` (the names a caller
+    gives, e.g. an --inputs file's keys): the available name its value is derived from through
+    metadata.tensor_slices.inputs. A missing input tied to original input O comes from O's own name,
+    else from a given pipeline input tied to O that covers O whole (a producer-style pipeline reads
+    `x` on one slot and `x_slot1` on another: either one gives both). InputError naming the missing
+    input when it cannot be derived (untied=False: except an input the metadata does not describe,
+    left out of the result for the caller's own check to name)."""
+    slices, originals = p.metadata.slices_inputs, p.metadata.tensors_inputs
+    out: dict[str, str] = {}
+    for name in (p.input_names if names is None else names):
+        if name in available:
+            continue
+        s = slices.get(name)
+        if s is None or s.origin not in originals:
+            if not untied:
+                continue
+            raise InputError(f"inputs[\"{name}\"]: expected a tensor for this pipeline input, found none")
+        source = _source_of(p, s.origin, available)
+        if source is None:
+            if name == s.origin and not any(k != name and getattr(slices.get(k), "origin", None) == name
+                                            for k in p.input_names):
+                raise InputError(f"inputs[\"{name}\"]: expected a tensor for this pipeline input, found none")
+            how = (f"give \"{name}\", or another pipeline input that holds all of it" if name == s.origin else
+                   f"give \"{name}\", or \"{s.origin}\" whole: under its own name or a pipeline input's that holds all of it")
+            raise InputError(f"inputs[\"{name}\"]: expected a tensor for this pipeline input, found none, nor all of the "
+                             f"model input \"{s.origin}\" it is a slice of ({how})")
+        out[name] = source
+    return out
+
+
+def _source_of(p, origin: str, available: Collection[str]) -> str | None:
+    o = p.metadata.tensors_inputs[origin]
+    if origin in available:         # the model input's own name: itself, or a pipeline input of that name holding all of it
+        s = p.metadata.slices_inputs.get(origin)
+        if origin not in p.input_names or (s is not None and s.origin == origin and _covers_whole(s, o)):
+            return origin
+    for name in p.input_names:
+        s = p.metadata.slices_inputs.get(name)
+        if name in available and s is not None and s.origin == origin and _covers_whole(s, o):
+            return name
+    return None
+
+
+def complete_inputs(p, given: Mapping[str, torch.Tensor], *, names: Collection[str] | None = None,
+                    chunks: int = 1) -> dict[str, torch.Tensor]:
+    """The given pipeline inputs plus each one (of `names`, default all) they lack, derived through the
+    metadata (input_sources): its model input sliced by its placements (one the metadata does not
+    describe stays missing, for Session.run's check to name). A given name that is a model
+    input's own and not a pipeline input's is dropped once used (or not). chunks=k: every tensor
+    carries k times the batch along dim 0 (Session.run(chunks=k)); each chunk is sliced alike.
+    Nothing missing: `given` as it is."""
+    missing = [n for n in (p.input_names if names is None else names) if n not in given]
+    originals = p.metadata.tensors_inputs
+    extra = [k for k in given if k not in p.input_names and k in originals]
+    if not missing and not extra:
+        return dict(given)
+    sources = input_sources(p, given, missing, untied=False)
+    out = {k: v for k, v in given.items() if k not in extra}
+    by_origin: dict[str, list[str]] = {}
+    for name in sources:
+        by_origin.setdefault(p.metadata.slices_inputs[name].origin, []).append(name)
+    for origin, wanted in by_origin.items():
+        src_name = sources[wanted[0]]
+        x, o = given[src_name], originals[origin]
+        if not isinstance(x, torch.Tensor):
+            raise InputError(f"inputs[\"{src_name}\"]: expected a torch.Tensor, found {type(x).__name__}")
+        shape = (o.shape[0] * chunks, *o.shape[1:]) if chunks > 1 and o.shape else tuple(o.shape)
+        for_what = f"(all of the model's input \"{origin}\", from which \"{wanted[0]}\" is sliced)"
+        if tuple(x.shape) != shape:
+            raise InputError(f"inputs[\"{src_name}\"].shape: expected {list(shape)} {for_what}, found {list(x.shape)}")
+        if x.dtype != dtypes.to_torch(o.dtype):
+            raise InputError(f"inputs[\"{src_name}\"].dtype: expected {o.dtype} {for_what}, "
+                             f"found {dtypes.TORCH_TO_NAME.get(x.dtype, x.dtype)}")
+        parts = x.chunk(chunks) if chunks > 1 else (x,)
+        sliced = [to_pipeline_inputs(p, {origin: part}, partial=True) for part in parts]
+        for name in wanted:
+            out[name] = sliced[0][name] if chunks == 1 else torch.cat([s[name] for s in sliced])
     return out
 
 

@@ -54,6 +54,9 @@ class Session:
         self.run_options = opts = run_options or RunOptions()
         self.store = store or default_store()
         self.checked: Checked = validate(pipeline, self.options, self.store)
+        from fastpipe.runtime.index_bounds import index_bounds
+
+        self.index_bounds = index_bounds(pipeline, self.checked.graphs)   # integer inputs used as indices -> range
         self.pipeline = pipeline
         self.slot_devices = resolve_device_map(pipeline, device_map)
         self.processor = choose_processor(opts.processor, self.slot_devices)
@@ -272,6 +275,10 @@ class Session:
             from fastpipe.runtime.microbatch import check_chunked_inputs, split_chunks
 
             parts = split_chunks(inputs, chunks, check_chunked_inputs(self.pipeline, inputs, chunks, self._input_devices))
+        if self.index_bounds:        # indices out of range (CPU inputs): an InputError, not a failed or aborted kernel
+            from fastpipe.runtime.index_bounds import check_index_bounds
+
+            check_index_bounds(inputs, self.index_bounds)
         results = self._run_parts(parts, chunks, events)
         if trace is not None:
             from fastpipe.runtime.trace import write_chrome_trace

@@ -158,20 +158,24 @@ def _precheck(args, world: int) -> None:
         read_local_inputs(args.inputs, p, ())      # names only: no tensor data is read here
 
 
-def read_local_inputs(path: str, p, names) -> dict[str, torch.Tensor]:
-    """Open the --inputs file; check its names against the pipeline's; read only `names`."""
+def read_local_inputs(path: str, p, names, chunks: int = 1) -> dict[str, torch.Tensor]:
+    """Open the --inputs file; check its names against the pipeline's; read only `names`, and what those
+    the file lacks are sliced from (fastpipe.model_io.complete_inputs: through the metadata; `chunks`
+    batches along dim 0)."""
     from safetensors import safe_open
+
+    from fastpipe.model_io import complete_inputs, input_sources
 
     with reading_safetensors(path, "--inputs"), safe_open(path, framework="pt") as f:
         keys = list(f.keys())
         for k in keys:
-            if k not in p.input_names:
+            if k not in p.input_names and k not in p.metadata.tensors_inputs:
                 raise InputError(f"inputs[\"{k}\"]: expected one of the pipeline inputs ({', '.join(p.input_names)}), "
                                  "found an unknown name")
-        for k in p.input_names:
-            if k not in keys:
-                raise InputError(f"inputs[\"{k}\"]: expected a tensor for this pipeline input, found none")
-        return {k: f.get_tensor(k) for k in names}
+        sources = input_sources(p, keys)      # every pipeline input: in the file, or derived from what is
+        read = {k for k in names if k in keys} | {sources[k] for k in names if k in sources}
+        got = complete_inputs(p, {k: f.get_tensor(k) for k in read}, names=names, chunks=chunks)
+        return {k: got[k] for k in names}
 
 
 def _rank_main(args, rank: int) -> int:
@@ -199,9 +203,10 @@ def _rank_main(args, rank: int) -> int:
     load_s = time.perf_counter() - t0
     runner = sess.runner
     if args.inputs:
-        inputs = read_local_inputs(args.inputs, p, runner.needed_inputs)
+        inputs = read_local_inputs(args.inputs, p, runner.needed_inputs, args.chunks)
     else:
-        inputs = {k: v for k, v in random_inputs(p, args.seed).items() if k in runner.needed_inputs}
+        inputs = {k: v for k, v in random_inputs(p, args.seed, bounds=sess.index_bounds).items()
+                  if k in runner.needed_inputs}
         if args.chunks > 1:
             inputs = repeat_chunks(inputs, args.chunks)
     expected = read_tensors(args.check, "--check") if lead and args.check else None

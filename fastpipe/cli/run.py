@@ -14,7 +14,9 @@ def cmd_run(args) -> int:
 
     from fastpipe.cli import dist
     from fastpipe.format import read_pipeline
+    from fastpipe.model_io import complete_inputs
     from fastpipe.random_inputs import random_inputs
+    from fastpipe.runtime.index_bounds import index_bounds
     from fastpipe.runtime.microbatch import repeat_chunks
     from fastpipe.session import Session
 
@@ -27,7 +29,10 @@ def cmd_run(args) -> int:
     if args.outputs:
         check_writable(args.outputs, "--outputs")
     p = read_pipeline(args.pipeline)
-    inputs = read_tensors(args.inputs, "--inputs") if args.inputs else random_inputs(p, args.seed)
+    if args.inputs:      # pipeline inputs the file lacks, sliced through the metadata from the model input it holds
+        inputs = complete_inputs(p, read_tensors(args.inputs, "--inputs"), chunks=args.chunks)
+    else:                # integer inputs used as indices stay below the size of what they index
+        inputs = random_inputs(p, args.seed, bounds=index_bounds(p, options=load_options(args)))
     expected = read_tensors(args.check, "--check") if args.check else None
     if args.trace:
         check_writable(args.trace, "--trace")
