@@ -5,7 +5,7 @@ Build a serving set (prefill buckets and one static-cache decode step per batch 
     fastpipe build path/to/hf_model -o out/ --serve --max-len 256 --batches 1,8
         (in Python: fastpipe.generation.build.build_serving_set("path/to/hf_model", "out/",
                                                                  max_len=256, batches=(1, 8)))
-    python examples/server.py out/ --port 8000            # [--host H] [--batch 8] [--no-compile]
+    python examples/server.py out/ --port 8000            # [--host H] [--batch 8] [--compile background|wait|off]
 
     curl -s localhost:8000/generate -d '{"input_ids": [5, 7, 9], "max_new_tokens": 16}'
         -> {"tokens": [...16 ids...], "finish_reason": "length"}
@@ -183,10 +183,14 @@ def main(argv=None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     ap.add_argument("--batch", type=int, help="decode rows: one of the built decode batches (default the largest)")
-    ap.add_argument("--no-compile", action="store_true", help="run the pipelines uncompiled (starts faster)")
+    ap.add_argument("--compile", choices=("background", "wait", "off"), default="background",
+                    help="background (default): ready at once, each bucket compiled in the background as it is used; "
+                         "wait: compile every bucket before listening; off: never compile")
+    ap.add_argument("--no-compile", action="store_true", help="the same as --compile off")
     args = ap.parse_args(argv)
+    mode = "off" if args.no_compile else args.compile
     try:
-        engine = Engine(args.folder, batch=args.batch, compile=not args.no_compile)     # loads and warms up
+        engine = Engine(args.folder, batch=args.batch, compile=mode)     # loads (and with "wait" compiles)
     except FastpipeError as e:
         print(f"server: error: {one_line(e)}", file=sys.stderr)
         return 2
@@ -203,7 +207,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     host, port = server.server_address[:2]
-    print(f"listening on http://{host}:{port}", flush=True)
+    how = {"background": "buckets compile in the background as they are used", "wait": "every bucket compiled",
+           "off": "not compiled"}[mode]
+    print(f"listening on http://{host}:{port} ({how})", flush=True)
     server.serve_forever()
     engine.close(cancel=True)                # in-flight requests end now, "cancelled"
     inflight.wait_none(timeout=10)           # ... and their answers are written

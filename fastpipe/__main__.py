@@ -1,5 +1,3 @@
-import sys
+from fastpipe.cli import entry
 
-from fastpipe.cli import main
-
-sys.exit(main())
+entry()

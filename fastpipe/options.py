@@ -1,7 +1,7 @@
 """What the caller chooses when loading and running a pipeline: two frozen, validated dataclasses.
 
     LoadOptions(allow_outside_paths=False, trust_export_archives=False, check_payloads=True, upload="pinned")
-    RunOptions(processor="reference", compile=False, compile_policy="warn", cuda_graph=True,
+    RunOptions(processor="auto", compile="background", compile_policy="warn", cuda_graph=True,
                fuse="auto", merge_shards=True, slot_ranks=None, dist_timeout=None, state_in_place=False,
                graph_pool=None)
 
@@ -18,6 +18,7 @@ from typing import Mapping
 from fastpipe.errors import InputError
 
 PROCESSORS = ("auto", "reference", "region", "cpu", "cuda", "dist")
+COMPILE_MODES = ("background", "wait", "off")
 
 
 def _flag(name: str, value) -> None:
@@ -48,12 +49,19 @@ class LoadOptions:
 
 @dataclass(frozen=True)
 class RunOptions:
-    processor: str = "reference"
-    """auto | reference | region | cpu | cuda | dist. "auto": dist under torchrun (WORLD_SIZE set), else
-    region when every slot is on one device, else cuda when every slot is on a GPU, else cpu
-    (see choose_processor)."""
-    compile: bool = False
-    """Run every fx supertask through torch.compile (inductor)."""
+    processor: str = "auto"
+    """auto | reference | region | cpu | cuda | dist. "auto" (the default): dist under torchrun (WORLD_SIZE
+    set), else region when every slot is on one device, else cuda when every slot is on a GPU, else cpu
+    (see choose_processor). "reference" runs one step at a time, eagerly: the oracle, chosen explicitly."""
+    compile: str = "background"
+    """How fx supertasks (region processor: whole regions) go through torch.compile (inductor):
+    "background" (tiered, the default): each graph runs eagerly from its first call while one background
+    thread compiles it; the compiled graph is swapped in between calls once ready and, on the CPU,
+    measured faster on real calls (the faster is kept); on the CPU a cheap estimate first skips graphs
+    whose compile cannot pay (fastpipe.runtime.compile_estimate). A CUDA graph is captured once every
+    compile has settled. (The dist processor compiles at warm-up, every rank together.)
+    "wait": compile at warm-up, before the first run returns (Session.compile; benchmarks).
+    "off": never compile. True and False are taken as "wait" and "off"."""
     compile_policy: str = "warn"
     """A graph (or CUDA-graph capture) that cannot be compiled: "warn" runs it eagerly with a warning; "raise"."""
     cuda_graph: bool = True
@@ -86,7 +94,10 @@ class RunOptions:
     def __post_init__(self):
         if self.processor not in PROCESSORS:
             raise InputError(f"processor: expected one of {', '.join(PROCESSORS)}, found \"{self.processor}\"")
-        _flag("compile", self.compile)
+        if self.compile is True or self.compile is False:
+            object.__setattr__(self, "compile", "wait" if self.compile else "off")
+        if self.compile not in COMPILE_MODES:
+            raise InputError(f"compile: expected background, wait or off (or true / false), found {self.compile!r}")
         if self.compile_policy not in ("warn", "raise"):
             raise InputError(f"compile_policy: expected warn or raise, found \"{self.compile_policy}\"")
         _flag("cuda_graph", self.cuda_graph)

@@ -52,6 +52,10 @@ class Session:
                  store: WeightStore | None = None):
         self.options = load_options or LoadOptions()
         self.run_options = opts = run_options or RunOptions()
+        if opts.compile != "off":       # before anything reads inductor's cache folder (validation can)
+            from fastpipe.runtime.compile_cache import use_persistent_cache
+
+            use_persistent_cache()
         self.store = store or default_store()
         self.checked: Checked = validate(pipeline, self.options, self.store)
         from fastpipe.runtime.index_bounds import index_bounds
@@ -80,10 +84,14 @@ class Session:
 
         self.state = state_pairs(pipeline)       # input -> its updated output (fastpipe.runtime.state)
         self._in_place = self.state if opts.state_in_place else {}
+        # compile: "background" is tiered (fastpipe.runtime.compile); the dist processor's ranks compile at
+        # warm-up together instead
+        self.compiles = opts.compile != "off"
+        self.background = opts.compile == "background" and self.processor != "dist"
         # the region processor compiles whole regions; its steps stay eager (for locating failures)
         self._binder = Binder(pipeline, self.options, self.store, self.slot_devices,
-                              compile=opts.compile and not region, compile_policy=opts.compile_policy,
-                              fold_gemms=self.processor in ("cpu", "cuda", "dist"))
+                              compile=self.compiles and not region, compile_policy=opts.compile_policy,
+                              background=self.background, fold_gemms=self.processor in ("cpu", "cuda", "dist"))
         # the cpu and cuda processors' steps write state in place where they can (bind); the region
         # processor rewrites its stitched graphs, the reference runs the graphs as the file has them
         steps_in_place = self._in_place if self.processor in ("cpu", "cuda") else None
@@ -103,6 +111,11 @@ class Session:
         self._nothing_to_compile = False
         self._binder.forget_constants()          # the steps hold their constants: the region processor's
         self._processor = self._make_processor()  # merges then free each group's shards (region_passes)
+        if self.background:                      # no CUDA graph around a graph about to be swapped
+            if self.processor == "cuda":
+                self._processor.replay_ready = self.compile_settled
+            for r in self._graph_replays():
+                r.ready = self.compile_settled
 
     def _make_processor(self):
         opts = self.run_options
@@ -125,8 +138,9 @@ class Session:
         if self.processor == "region":
             from fastpipe.runtime.region_processor import RegionProcessor
 
-            return RegionProcessor(self.program, self.checked.groups, compile=opts.compile,
-                                   compile_policy=opts.compile_policy, cuda_graph=opts.cuda_graph,
+            return RegionProcessor(self.program, self.checked.groups, compile=self.compiles,
+                                   compile_policy=opts.compile_policy, background=self.background,
+                                   cuda_graph=opts.cuda_graph,
                                    merge_shards=opts.merge_shards,
                                    opaque_groups={d.group for d in self.fusion if d.fused}, state=self._in_place,
                                    graph_pool=opts.graph_pool, alias_outputs=opts.alias_outputs,
@@ -139,10 +153,49 @@ class Session:
             return self._processor.compiled_graphs()
         return self._binder.compiled
 
+    def compile_settled(self) -> bool:
+        """Whether every graph this session compiles has settled (compiled and adopted, or eager by the
+        estimate, by measurement or after a failure): nothing is queued, compiling or being measured."""
+        return all(cg.settled for cg in self._compiled().values())
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Tiered compiles: block until the background compiler has compiled every graph this session has
+        queued (not until each is measured: that takes real calls). True when none is left pending."""
+        import time
+
+        from fastpipe.runtime.background_compile import background
+
+        end = None if timeout is None else time.monotonic() + timeout
+        for cg in self._compiled().values():
+            while cg._queued:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                background().wait_idle(0.05 if left is None else min(0.05, left))
+        return True
+
+    def compile_state(self) -> str:
+        """Where this session's compiles stand, in a phrase: "off", or how many graphs are compiled,
+        compiling, measured faster eagerly, skipped by the estimate or failed."""
+        if not self.compiles:
+            return "compile off"
+        graphs = {id(cg): cg for cg in self._compiled().values()}.values()
+        if not graphs:
+            return "nothing to compile"
+        counts: dict[str, int] = {}
+        for cg in graphs:
+            key = ("failed" if cg.eager else "skipped (cannot pay)" if cg.skipped else
+                   "eager (measured faster)" if cg.compiled and cg.use_eager else "compiled" if cg.compiled else
+                   "measuring" if cg._ready else "compiling in the background" if cg._queued else "not run yet")
+            counts[key] = counts.get(key, 0) + 1
+        return ", ".join(f"{n} {k}" for k, n in counts.items())
+
     def describe(self) -> str:
         """One line: the processor and how it runs the Program (the region processor: regions, compiled
         or eager, replayed or not; the cuda processor: its streams, replayed or not)."""
         how = self._processor.describe() if self.processor in ("region", "cuda") else ""
+        if self.processor != "region" and self.compiles and self._compiled():
+            how += (", " if how else "") + f"graphs: {self.compile_state()}"
         if self.processor in ("cpu", "cuda") and self._in_place:
             how += (", " if how else "") + (f"{len(self._in_place)} state tensors updated in place "
                                             f"({len(self._steps_write)} by an in-place write)")
@@ -163,6 +216,8 @@ class Session:
         `inputs`: what to capture on (default: the seeded inputs), never run by compile(): a server
         passes its own state tensors (an engine's KV caches) so they become the graph's buffers.
         capture=False: warm up only (the second run captures, on what it is given).
+        With compile="background" it does the same now: the warm-up run decides (the estimate) at once,
+        and what it queues compiles in this thread (or is waited for, if the background thread has it).
 
         Returns a CompileReport (distinct graphs, seconds, supertasks left eager by a failed compile).
         """
@@ -173,8 +228,15 @@ class Session:
         t = time.perf_counter()
         self.compile_report = CompileReport(0, 0.0, ())      # mark as started: run() must not recurse
         warm = warmup_inputs(self.pipeline)
+        graphs = {id(c): c for c in self._compiled().values()}.values()
+        if self.background:              # tiered: the warm-up run decides (estimate) and queues at once
+            for cg in graphs:
+                cg.decide_now = True
         self.run(warm)
-        if self.processor == "region" and self.run_options.compile:   # compiled or eager, whichever is faster
+        if self.background:              # ... and the compile happens here (or is waited for), not beside
+            for cg in graphs:
+                cg.finish()
+        if self.processor == "region" and self.compiles:   # compiled or eager, whichever is faster
             self._processor.tune(warm)
         if capture:
             self._capture(warm if inputs is None else inputs, given=inputs is not None)
@@ -257,7 +319,9 @@ class Session:
         # compile at the first run when there is something to compile (dist: every rank warms up together,
         # so the decision must not depend on which slots this rank holds)
         if self.compile_report is None and not self._nothing_to_compile:
-            if self.run_options.compile if self.processor == "dist" else bool(self._compiled()):
+            if self.background:
+                self._nothing_to_compile = True          # tiered: each graph compiles in the background
+            elif self.compiles if self.processor == "dist" else bool(self._compiled()):
                 self.compile()
             else:
                 self._nothing_to_compile = True
@@ -357,7 +421,7 @@ class Session:
 
 def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] | None = None, *,
          allow_outside_paths: bool = False, trust_export_archives: bool = False, upload: str = "pinned",
-         store: WeightStore | None = None, processor: str = "reference", compile: bool = False,
+         store: WeightStore | None = None, processor: str = "auto", compile: bool | str = "background",
          compile_policy: str = "warn", cuda_graph: bool = True, fuse: str = "auto", merge_shards: bool = True,
          slot_ranks: Mapping[str, int] | None = None, dist_timeout: float | None = None,
          state_in_place: bool = False, alias_outputs: bool = False, graph_pool=None,
@@ -367,9 +431,11 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
 
     The keywords are the fields of LoadOptions and RunOptions (fastpipe.options), or give the
     dataclasses themselves (`load_options=`, `run_options=`; then leave their keywords at the
-    defaults). Defaults run the reference processor with eager graphs (predictable, fast to
-    load); `processor="auto"` picks dist / cuda / cpu as the CLI does, and `compile=True` turns
-    on torch.compile. `processor="dist"` inside a torchrun-launched process runs this rank's slots
+    defaults). The defaults are the CLI's: `processor="auto"` (dist / region / cuda / cpu, see
+    choose_processor) and `compile="background"` (tiered: eager from the first run, each graph compiled
+    in the background and swapped in once ready and faster); `compile="wait"` compiles at the first
+    run (benchmarks), `compile="off"` never. `processor="reference"` (one step at a time, eagerly) is the
+    oracle, an explicit choice. `processor="dist"` inside a torchrun-launched process runs this rank's slots
     (`slot_ranks` overrides which; `dist_timeout` in seconds bounds every collective); see
     docs/distributed.md.
     """

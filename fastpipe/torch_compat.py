@@ -7,6 +7,9 @@ names ``torch._<something>``).
     OpOverload, OpOverloadPacket   aten operator classes (torch._ops)
     FakeTensorMode, FakeTensor     fake tensors for shape propagation (torch._subclasses)
     unique_graphs()                dynamo's count of graphs compiled so far (torch._dynamo)
+    counting_inductor(on_compile)  inductor as a torch.compile backend that calls on_compile() per graph it compiles
+    compiled_calls_beside_fx_tracing()  let compiled functions run while another thread FX-traces (torch._dynamo.config)
+    inductor_default_cache_dir()   the folder inductor caches in when TORCHINDUCTOR_CACHE_DIR is unset (torch._inductor)
     make_graph_module(...)         a GraphModule whose code is generated lazily (torch.fx)
     end_pool_routing(device, pool) stop routing allocations into a failed capture's pool (torch._C)
     foreach_copy_(dst, src)        dst[i].copy_(src[i]) for every i in one launch where it can (torch._foreach_copy_)
@@ -20,6 +23,8 @@ names and constants decoding has validated; nothing from the file is
 executed as code either way.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -42,6 +47,47 @@ def unique_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def counting_inductor(on_compile):
+    """A torch.compile backend: inductor (torch._inductor.compile_fx, what backend="inductor" runs), calling
+    on_compile() first for each graph dynamo hands it. One per compiled function, it counts that function's
+    own compiles and recompiles (unique_graphs() counts every thread's)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        on_compile()
+        return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+def compiled_calls_beside_fx_tracing() -> str:
+    """FX's "tracing now" flag is one global (torch.fx._symbolic_trace), and dynamo refuses to run a compiled
+    function while it is set ("Detected that you are using FX to symbolically trace a dynamo-optimized
+    function"): a compile in one thread (AOTAutograd traces with FX) would make every compiled call in
+    another thread fail. Turn that refusal off, process-wide: where torch has force_compile_during_fx_trace,
+    compiled functions run (and compile) as usual whatever another thread traces; older versions get
+    error_on_nested_fx_trace=False, under which such a call runs its function uncompiled instead. torch's
+    config overrides are per thread (a ContextVar), so the setting's default is changed, which every thread
+    without an override of its own reads. Returns the setting changed."""
+    import torch._dynamo.config as dynamo_config
+
+    name, value = (("force_compile_during_fx_trace", True) if hasattr(dynamo_config, "force_compile_during_fx_trace")
+                   else ("error_on_nested_fx_trace", False))
+    entry = getattr(dynamo_config, "_config", {}).get(name)
+    if entry is not None and hasattr(entry, "default"):
+        entry.default = value
+    setattr(dynamo_config, name, value)
+    return f"{name}={value}"
+
+
+def inductor_default_cache_dir() -> str:
+    """Inductor's own default cache folder (/tmp/torchinductor_<user>), which importing torch._dynamo writes
+    into TORCHINDUCTOR_CACHE_DIR: a value equal to it was not chosen by the user."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(default_cache_dir())
 
 
 def cudagraph_skips() -> int:

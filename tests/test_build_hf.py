@@ -48,7 +48,7 @@ CASES = [(fam, tp, pp, past) for fam in ("gpt2", "llama", "bert") for tp in (1, 
 def test_build_run_equals_unsplit(checkpoints, tmp_path, family, tp, pp, past_len):
     folder, model = checkpoints[family]
     built = build_hf(folder, tp=tp, pp=pp, batch=B, seq_len=S, past_len=past_len)
-    sess = fastpipe.load(built.save(tmp_path / "out"))
+    sess = fastpipe.load(built.save(tmp_path / "out"), processor="reference")
     assert len(sess.pipeline.devices) == tp * pp
     ins, past = originals(family, model.config, past_len, seed=tp * 10 + pp)
     outs = run_model_level(sess, ins)
@@ -77,7 +77,7 @@ def test_region_compiled_equals_reference_with_and_without_chunks(checkpoints, t
     folder, model = checkpoints[family]
     built = build_hf(folder, tp=tp, pp=pp, batch=B, seq_len=S, past_len=past_len)
     path = built.save(tmp_path / "out")
-    ref = fastpipe.load(path)
+    ref = fastpipe.load(path, processor="reference")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)            # compiled whole: no break, no recompile
         sess = fastpipe.load(path, processor="auto", compile=True)
@@ -110,7 +110,7 @@ def test_last_logits_equal_unsplit_logits_at_each_rows_position(checkpoints, tmp
     folder, model = checkpoints[family]
     built = build_hf(folder, tp=tp, pp=pp, batch=B, seq_len=S, past_len=past_len, sequence_parallel=sp,
                      last_logits=True)
-    sess = fastpipe.load(built.save(tmp_path / "out"))
+    sess = fastpipe.load(built.save(tmp_path / "out"), processor="reference")
     meta = sess.pipeline.metadata
     assert meta.tensors_inputs["logits_index"].shape == (B,) and meta.tensors_inputs["logits_index"].dtype == "i64"
     assert meta.tensors_outputs["logits"].shape == (B, 1, model.config.vocab_size)
@@ -130,7 +130,7 @@ def test_sequence_parallel(checkpoints, tmp_path, family, tp):
     built = build_hf(folder, tp=tp, pp=1, batch=B, seq_len=S, sequence_parallel=True)
     kinds = {st["kind"] for st in built.doc["supertasks"].values()}
     assert {"reduce_scatter", "all_gather"} <= kinds and "all_reduce" in kinds   # the embedding is still all-reduced
-    sess = fastpipe.load(built.save(tmp_path / "out"))
+    sess = fastpipe.load(built.save(tmp_path / "out"), processor="reference")
     ins, _ = originals(family, model.config, None, seed=3)
     ref = hf_reference(model, family, ins, None)
     assert_outputs_match(sess, run_model_level(sess, ins), ref)
@@ -176,7 +176,7 @@ def test_half_precision_checkpoint(checkpoints, tmp_path, family, dtype):
     model = copy.deepcopy(model).to(dtype)
     model.save_pretrained(str(folder))
     past_len = None if family == "bert" else P
-    sess = fastpipe.load(build_hf(folder, tp=2, batch=B, seq_len=S, past_len=past_len).save(tmp_path / "out"))
+    sess = fastpipe.load(build_hf(folder, tp=2, batch=B, seq_len=S, past_len=past_len).save(tmp_path / "out"), processor="reference")
     name = "bf16" if dtype == torch.bfloat16 else "f16"
     assert {t.dtype for t in sess.pipeline.tensors.values() if t.is_constant and t.dtype != "i64"} == {name}
     ins, past = originals(family, model.config, past_len, seed=3)

@@ -187,6 +187,40 @@ def test_generate_ids_equal_hf_greedy(serving_set, model_dir, capsys, prompt, ex
     assert m and int(m.group(1)) == n and m.group(2) == stop, stats
 
 
+def test_generate_starts_eagerly_and_the_engine_swaps_the_compiled_decode_step_in(serving_set, model_dir, capsys):
+    """The default (--compile background): the first token comes without a compile in the foreground, the
+    stderr says how the buckets compile and where the decode step stood; an engine kept running gets the
+    decode step compiled in the background, measured and swapped in, with the same tokens throughout."""
+    want = hf_greedy(model_dir[1], PROMPT_A)
+    code, out, err = cli(capsys, "generate", serving_set[0], "--prompt-ids", ",".join(map(str, PROMPT_A)),
+                         "--max-new-tokens", "12")
+    assert code == 0 and out == " ".join(map(str, want)) + "\n", err
+    loaded, stats, decode = err.splitlines()
+    assert "(eager at once; each bucket compiled in the background as it is used)" in loaded
+    assert STATS.match(stats) and decode.startswith("decode step: "), err
+
+    from fastpipe.generation.engine import Engine
+
+    eng = Engine(serving_set[0], batch=1)
+    try:
+        assert eng.warmup_seconds < 5                   # nothing compiled up front
+        assert eng.submit(PROMPT_A, max_new_tokens=12).result(timeout=300) == want
+        (cg,) = eng.decode._compiled().values()
+        assert cg._queued or cg._ready, cg.state()      # called 11 times: queued at the second call
+        assert eng.decode.wait_compiled(600), cg.state()
+        from fastpipe.runtime.background_compile import background
+
+        for _ in range(4):          # measured against eager while nothing else compiles (the prefills queue too)
+            assert background().wait_idle(600)
+            assert eng.submit(PROMPT_A, max_new_tokens=12).result(timeout=300) == want
+            if eng.decode.compile_settled():
+                break
+        assert cg.compiled and cg.timing is not None and eng.decode.compile_settled(), cg.state()
+        assert "faster on real calls" in eng.decode.describe()
+    finally:
+        eng.close()
+
+
 def test_generate_text_through_the_tokenizer(text_set, model_dir, capsys):
     tok = transformers.AutoTokenizer.from_pretrained(str(text_set), local_files_only=True)
     prompt = "w5 w7 w9 w11 </s>"

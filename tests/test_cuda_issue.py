@@ -29,7 +29,7 @@ from tests.test_processors import fresh_inputs
 
 
 def load_ref(name):
-    return fastpipe.load(GRAPHS / name / "pipeline.json")
+    return fastpipe.load(GRAPHS / name / "pipeline.json", processor="reference")
 
 
 def write_chain(folder, *, stages=3, steps=2, batch=8, d=16, dtype="f32", weights=True, seed=0):
@@ -116,7 +116,7 @@ def test_lane_runner_equals_reference(name, chunks):
 def test_intermediates_are_dropped_right_after_their_last_step_is_issued(name, tmp_path):
     """At each op, exactly the intermediates the Program says are alive (written, not yet freed, in
     that op's chunk) are alive; the rest are dead (weakrefs), long before the run ends."""
-    ref = load_ref(name) if name != "chain" else fastpipe.load(write_chain(tmp_path, stages=4, steps=3))
+    ref = load_ref(name) if name != "chain" else fastpipe.load(write_chain(tmp_path, stages=4, steps=3), processor="reference")
     chunks = 2
     refs: dict[tuple[int, str], weakref.ref] = {}
     seen = []                                      # per op: the (chunk, name) alive when it started
@@ -166,8 +166,8 @@ def test_pipeline_outputs_are_never_freed():
 def test_chain_in_a_narrow_dtype_is_close_to_its_f32_twin(tmp_path, dtype, tol):
     """The GPU test's bf16/f16 pipelines, checked here on CPU: the narrow chain through the lane
     runner, in chunks, against the reference on the f32 twin (same weights, up to rounding)."""
-    narrow = fastpipe.load(write_chain(tmp_path / dtype, dtype=dtype))
-    ref = fastpipe.load(write_chain(tmp_path / "f32"))
+    narrow = fastpipe.load(write_chain(tmp_path / dtype, dtype=dtype), processor="reference")
+    ref = fastpipe.load(write_chain(tmp_path / "f32"), processor="reference")
     runner = LaneRunner(narrow.program, HostBackend(), one_device(narrow.program))
     x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)).to(narrow.program.steps["0"][0].constants["w0_0"].dtype)
     outs = runner.run([{"x": x[:8]}, {"x": x[8:]}])

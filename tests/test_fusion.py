@@ -35,7 +35,7 @@ def _inputs(sess, seed):
 
 
 def test_auto_on_cpu_fuses_nothing_and_says_why():
-    sess = fastpipe.load(GRAPHS / "seq_parallel" / "pipeline.json")
+    sess = fastpipe.load(GRAPHS / "seq_parallel" / "pipeline.json", processor="reference")
     assert {d.group: d.fused for d in sess.fusion} == {"ag0": False, "rs0": False}
     assert all("fused kernels run on one CUDA device" in d.reason for d in sess.fusion)
 
@@ -56,7 +56,7 @@ def test_auto_on_one_cuda_device_follows_the_measured_rule(tmp_path, S, dtype, w
     from tests.fusion_pipelines import sp_block
 
     D, H, n = 256, 512, 2
-    sess = fastpipe.load(sp_block(tmp_path, S=S, D=D, H=H, n=n, dtype=dtype), fuse="off")
+    sess = fastpipe.load(sp_block(tmp_path, S=S, D=D, H=H, n=n, dtype=dtype), fuse="off", processor="reference")
     cuda = {s: torch.device("cuda:0") for s in sess.slot_devices}
     got = {d.group: d for d in fuse.analyze(sess.checked, cuda, "auto")}
     assert {g: d.fused for g, d in got.items()} == want
@@ -78,7 +78,7 @@ def test_auto_asks_about_the_gpu_the_members_share(tmp_path, monkeypatch):
 
     asked = []
     monkeypatch.setattr(fusion_rule, "gpu_name", lambda device: asked.append(torch.device(device)) or "Some GPU")
-    sess = fastpipe.load(sp_block(tmp_path, S=1024, D=256, H=512, n=2, dtype="bf16"), fuse="off")
+    sess = fastpipe.load(sp_block(tmp_path, S=1024, D=256, H=512, n=2, dtype="bf16"), fuse="off", processor="reference")
     cuda = {s: torch.device("cuda:1") for s in sess.slot_devices}
     got = fuse.analyze(sess.checked, cuda, "auto")
     assert asked == [torch.device("cuda:1")] * 2 and len(got) == 2
@@ -115,10 +115,10 @@ def test_forced_fusion_is_refused_at_load_where_the_kernels_cannot_run(monkeypat
     with pytest.raises(InputError, match=r'^fuse: "always" cannot fuse group "ag0" \(all_gather->matmul, supertasks '
                                          r'1, 2\) on cpu: the Triton kernels run on CUDA tensors, not on cpu \(unless '
                                          r'TRITON_INTERPRET=1 .*\(fuse="auto" or "off" runs it unfused\)$'):
-        fastpipe.load(GRAPHS / "seq_parallel" / "pipeline.json", fuse="always")
+        fastpipe.load(GRAPHS / "seq_parallel" / "pipeline.json", fuse="always", processor="reference")
     monkeypatch.setattr(k, "_mm_sum_kernel", None)
     with pytest.raises(InputError, match=r' on cpu: triton is not installed \(fuse="auto"'):
-        fastpipe.load(GRAPHS / "seq_parallel" / "pipeline.json", fuse="always")
+        fastpipe.load(GRAPHS / "seq_parallel" / "pipeline.json", fuse="always", processor="reference")
 
 
 def test_auto_warns_where_the_measured_winner_cannot_run(tmp_path, monkeypatch):
@@ -130,7 +130,7 @@ def test_auto_warns_where_the_measured_winner_cannot_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(fuse, "_cannot_launch", k.launch_problem)   # the real check (conftest eases it on GPUs)
     monkeypatch.setattr(k, "_mm_sum_kernel", k._mm_sum_kernel or object())   # triton present
-    sess = fastpipe.load(sp_block(tmp_path, S=128, D=256, H=512, n=2, dtype="bf16"), fuse="off")
+    sess = fastpipe.load(sp_block(tmp_path, S=128, D=256, H=512, n=2, dtype="bf16"), fuse="off", processor="reference")
     cuda = {s: torch.device("cuda:0") for s in sess.slot_devices}
     # at M 128 the rule fuses ag0 (all_gather+matmul 1.09x) and not rs0 (matmul+reduce_scatter 1.00x)
     assert {d.group: d.fused for d in fuse.analyze(sess.checked, cuda, "auto")} == {"ag0": True, "rs0": False}
@@ -157,7 +157,7 @@ def test_forced_fusion_equals_unfused_on_the_example(processor):
     fused = fastpipe.load(path, fuse="always", processor=processor)
     assert {d.group: (d.fused, d.pattern) for d in fused.fusion} == {
         "ag0": (True, "all_gather->matmul"), "rs0": (True, "matmul->reduce_scatter")}
-    plain = fastpipe.load(path, fuse="off")
+    plain = fastpipe.load(path, fuse="off", processor="reference")
     for seed in (1, 2):
         ins = _inputs(plain, seed)
         a, b = plain.run(ins), fused.run(ins)
@@ -166,7 +166,7 @@ def test_forced_fusion_equals_unfused_on_the_example(processor):
 
 def test_fuse_option_refused():
     with pytest.raises(InputError, match=r'fuse: expected auto, off or always, found "yes"'):
-        fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", fuse="yes")
+        fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", fuse="yes", processor="reference")
 
 
 def test_show_plan_reports_fusion(capsys):
@@ -197,17 +197,17 @@ def test_builder_sequence_parallel_pipeline(tmp_path, family):
     folder = tmp_path / family
     make_checkpoint(family, folder)
     path = build_hf(folder, tp=2, batch=1, seq_len=8, sequence_parallel=True).save(tmp_path / "out")
-    fused = fastpipe.load(path, fuse="always")
+    fused = fastpipe.load(path, fuse="always", processor="reference")
     kinds = {d.pattern for d in fused.fusion if d.fused}
     assert "matmul->reduce_scatter" in kinds          # every row-parallel linear's reduce_scatter
-    plain = fastpipe.load(path, fuse="off")
+    plain = fastpipe.load(path, fuse="off", processor="reference")
     ins = _inputs(plain, 3)
     a, b = plain.run(ins), fused.run(ins)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-4)
     # batch 2: the sequence dim is not contiguous rows of the matmul: refused, with the reason
     path2 = build_hf(folder, tp=2, batch=2, seq_len=8, sequence_parallel=True).save(tmp_path / "out2")
-    reasons = {d.reason for d in fastpipe.load(path2, fuse="always").fusion if not d.fused}
+    reasons = {d.reason for d in fastpipe.load(path2, fuse="always", processor="reference").fusion if not d.fused}
     assert any("neither the matmul's rows nor its" in r for r in reasons)
 
 
@@ -228,7 +228,7 @@ def _equal_to_unfused(path, fused, seeds=(1, 2), **load):
 def _forced_decision(tmp_path, group: str, **block):
     """(path, session loaded with fuse="always", the fusion decision for `group`) of an sp_block."""
     path = sp_block(tmp_path, **block)
-    sess = fastpipe.load(path, fuse="always")
+    sess = fastpipe.load(path, fuse="always", processor="reference")
     return path, sess, {d.group: d for d in sess.fusion}[group]
 
 
@@ -281,8 +281,8 @@ def test_fusion_without_checked_payloads(tmp_path, policy, side_blob):
         (tmp_path / "block.fx").write_text(doc["blobs"]["block"])
         doc["blobs"]["block"] = None
         path.write_text(json.dumps(doc))
-    unchecked = fastpipe.load(path, fuse=policy, load_options=LoadOptions(check_payloads=False))
-    checked = fastpipe.load(path, fuse=policy)
+    unchecked = fastpipe.load(path, fuse=policy, load_options=LoadOptions(check_payloads=False), processor="reference")
+    checked = fastpipe.load(path, fuse=policy, processor="reference")
     assert [(d.group, d.fused, d.reason) for d in unchecked.fusion] == [
         (d.group, d.fused, d.reason) for d in checked.fusion]
     assert {d.group for d in unchecked.fusion} == {"ag0", "rs0"}
@@ -301,7 +301,7 @@ def test_unchecked_payloads_are_decoded_once_for_bind_and_fusion(tmp_path, monke
     calls = []
     real = payload.decode_payload
     monkeypatch.setattr(payload, "decode_payload", lambda text, **kw: calls.append(text) or real(text, **kw))
-    sess = fastpipe.load(path, fuse="always", load_options=LoadOptions(check_payloads=False))
+    sess = fastpipe.load(path, fuse="always", load_options=LoadOptions(check_payloads=False), processor="reference")
     fx = [sid for sid, st in sess.pipeline.supertasks.items() if st.kind == "fx"]
     texts = {payload_text(sess.pipeline, sid, sess.options)[0] for sid in fx}
     assert len(fx) > len(texts) >= 1                       # replicas share a payload
@@ -330,7 +330,7 @@ def test_fused_steps_keep_their_constants_on_the_step_device(tmp_path):
     from fastpipe.runtime.bind import Binder, bind
 
     path = sp_block(tmp_path)
-    sess = fastpipe.load(path, fuse="off")
+    sess = fastpipe.load(path, fuse="off", processor="reference")
     meta = {s: torch.device("meta") for s in sess.slot_devices}
     binder = Binder(sess.pipeline, sess.options, sess.store, meta)
     program = bind(lower(sess.checked), sess.checked, binder)
@@ -355,7 +355,7 @@ def test_members_on_several_devices_are_not_fused_even_when_forced(tmp_path):
     members sit on two devices unfused, with the reason, instead of failing at run time."""
     from fastpipe.runtime import fuse
 
-    sess = fastpipe.load(sp_block(tmp_path), fuse="off")
+    sess = fastpipe.load(sp_block(tmp_path), fuse="off", processor="reference")
     devices = {"0": torch.device("cpu"), "1": torch.device("meta")}
     reasons = {d.group: (d.fused, d.reason) for d in fuse.analyze(sess.checked, devices, "always")}
     assert reasons == {g: (False, "members on cpu, meta: the fused kernels run on one device") for g in ("ag0", "rs0")}
@@ -421,7 +421,7 @@ def test_fused_steps_keep_their_state_written_in_place(tmp_path, processor):
     assert [d.fused for d in sess.fusion] == [True, True]
     assert sess.state == {"cache_0": "cache_new_0", "cache_1": "cache_new_1"}
     assert "2 state tensors updated in place (2 by an in-place write)" in sess.describe()
-    plain = fastpipe.load(path, fuse="off")
+    plain = fastpipe.load(path, fuse="off", processor="reference")
     for seed in (1, 2):
         ins = random_inputs(sess, seed)
         want = plain.run({k: v.clone() for k, v in ins.items()})

@@ -110,14 +110,14 @@ CASES = [("gpt2", 1), ("llama", 1), ("llama", 2), ("gpt2", 2)]
 def test_prefill_into_cache_rows_equals_hf(checkpoints, built, family, tp):
     model = checkpoints[family][1]
     path = built(family, tp)
-    sess = fastpipe.load(path)
+    sess = fastpipe.load(path, processor="reference")
     assert len(sess.pipeline.devices) == tp
     check_prefill(sess, model, family, seed=3 + tp)
 
 
 def test_prefill_into_cache_rows_without_last_logits(checkpoints, built):
     model = checkpoints["llama"][1]
-    check_prefill(fastpipe.load(built("llama", 2, last_logits=False)), model, "llama", seed=8, last_logits=False)
+    check_prefill(fastpipe.load(built("llama", 2, last_logits=False), processor="reference"), model, "llama", seed=8, last_logits=False)
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
@@ -160,7 +160,7 @@ def test_the_plan_counts_no_cache_the_region_processor_writes_in_place(built):
 def test_metadata_pairs_the_caches(checkpoints, built):
     model = checkpoints["llama"][1]
     layers, _, hkv, hd = attention_dims("llama", model.config)
-    p = fastpipe.load(built("llama", 2)).pipeline
+    p = fastpipe.load(built("llama", 2), processor="reference").pipeline
     meta = p.metadata
     caches = [f"past_key_values_{i}_{j}" for i in range(layers) for j in (0, 1)]
     assert set(meta.tensors_inputs) == {"input_ids", "logits_index", "cache_row", *caches}

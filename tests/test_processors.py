@@ -27,7 +27,7 @@ def fresh_inputs(sess, seed, scale=1):
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_cpu_processor_equals_reference(name):
-    ref = fastpipe.load(GRAPHS / name / "pipeline.json")
+    ref = fastpipe.load(GRAPHS / name / "pipeline.json", processor="reference")
     cpu = fastpipe.load(GRAPHS / name / "pipeline.json", processor="cpu")
     assert cpu.program is not None and set(cpu.program.slots) == set(ref.pipeline.devices)
     for seed in (1, 2):
@@ -49,7 +49,7 @@ def test_compile_path_equals_reference_and_is_shared():
         # the two tensor-parallel replicas of the column/row graph (one blob) share one compiled graph
         fx = [sid for sid, st in sess.pipeline.supertasks.items() if st.kind == "fx"]
         assert len(fx) == 5 and len({id(sess._binder.compiled[s]) for s in fx}) == 4
-        ref = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json")
+        ref = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="reference")
         for seed in (3, 4):
             ins = fresh_inputs(ref, seed)
             torch.testing.assert_close(sess.run(ins)["y"], ref.run(ins)["y"], rtol=1e-4, atol=1e-5)
@@ -66,14 +66,14 @@ def test_compile_failure_warns_or_raises(monkeypatch):
         return fn
 
     monkeypatch.setattr(comp.torch, "compile", broken)
-    sess = fastpipe.load(GRAPHS / "two_stage_skip" / "pipeline.json", compile=True)
+    sess = fastpipe.load(GRAPHS / "two_stage_skip" / "pipeline.json", compile=True, processor="reference")
     with pytest.warns(RuntimeWarning, match=r'supertasks\["\d+"\] on slot "\d": torch.compile failed \(RuntimeError: simulated inductor failure\); running this supertask eagerly'):
         rep = sess.compile()
     assert len(rep.eager) == 2
     ins = load_file(str(GRAPHS / "two_stage_skip" / "inputs.safetensors"))
     torch.testing.assert_close(sess.run(ins)["y"], load_file(str(GRAPHS / "two_stage_skip" / "expected.safetensors"))["y"])
     comp.clear_cache()
-    sess = fastpipe.load(GRAPHS / "two_stage_skip" / "pipeline.json", compile=True, compile_policy="raise")
+    sess = fastpipe.load(GRAPHS / "two_stage_skip" / "pipeline.json", compile=True, compile_policy="raise", processor="reference")
     with pytest.raises(CompileError, match=r"torch.compile failed: RuntimeError: simulated inductor failure"):
         sess.compile()
     comp.clear_cache()
@@ -162,7 +162,7 @@ def test_cuda_processor_equals_reference(name, graph):
     slots = read_pipeline(GRAPHS / name / "pipeline.json").devices
     dm = {s: "cuda:0" for s in slots}
     # the reference on the CPU: with a GPU, the default would put npu slots (two_stage_skip's) there
-    ref = fastpipe.load(GRAPHS / name / "pipeline.json", device_map={s: "cpu" for s in slots})
+    ref = fastpipe.load(GRAPHS / name / "pipeline.json", device_map={s: "cpu" for s in slots}, processor="reference")
     sess = fastpipe.load(GRAPHS / name / "pipeline.json", device_map=dm, processor="cuda", cuda_graph=graph,
                          compile=True, compile_policy="raise")
     sess.compile()
@@ -182,7 +182,7 @@ def test_cuda_replays_do_not_alias_outputs():
     runs again, yet each output equals the reference on its own input, still after the later calls."""
     name = "tp_mlp"
     dm = {s: "cuda:0" for s in ("0", "1")}
-    ref = fastpipe.load(GRAPHS / name / "pipeline.json")
+    ref = fastpipe.load(GRAPHS / name / "pipeline.json", processor="reference")
     sess = fastpipe.load(GRAPHS / name / "pipeline.json", device_map=dm, processor="cuda", compile_policy="raise")
     sess.compile()
     replay = sess.runner.replay

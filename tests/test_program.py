@@ -58,14 +58,14 @@ def test_a_fused_program_is_checked_as_it_runs():
     """fuse="always" (Triton interpreted on CPU): the pass renames what crosses the fused groups
     (`#a`, `#b`, `#mm`), frees follow, and the checker proves that Program."""
     path = GRAPHS / "seq_parallel" / "pipeline.json"
-    sess = fastpipe.load(path, fuse="always")
+    sess = fastpipe.load(path, fuse="always", processor="reference")
     assert any(d.fused for d in sess.fusion)
     reads = {n for ss in sess.program.steps.values() for st in ss for n in st.reads}
     frees = {n for ss in sess.program.steps.values() for st in ss for n in st.frees}
     renamed = {n for n in reads if "#" in n}
     assert renamed and renamed <= frees
     check_program(sess.program, sess.checked)
-    plain = fastpipe.load(path, fuse="off")
+    plain = fastpipe.load(path, fuse="off", processor="reference")
     assert not {n for ss in plain.program.steps.values() for st in ss for n in st.reads if "#" in n}
 
 
@@ -90,7 +90,7 @@ def test_options_are_frozen_and_validated():
         ({"processor": "gpu"}, 'processor: expected one of auto, reference, region, cpu, cuda, dist, found "gpu"'),
         ({"merge_shards": "no"}, "merge_shards: expected true or false, found 'no'"),
         ({"alias_outputs": 1}, "alias_outputs: expected true or false, found 1"),
-        ({"compile": "yes"}, "compile: expected true or false, found 'yes'"),
+        ({"compile": "yes"}, "compile: expected background, wait or off (or true / false), found 'yes'"),
         ({"compile_policy": "ignore"}, 'compile_policy: expected warn or raise, found "ignore"'),
         ({"cuda_graph": 1}, "cuda_graph: expected true or false, found 1"),
         ({"fuse": "yes"}, 'fuse: expected auto, off or always, found "yes"'),

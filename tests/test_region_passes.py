@@ -503,7 +503,7 @@ def check_constants_are_region_buffers(sess) -> int:
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_examples_region_with_and_without_merging_equal_the_reference(name):
     path = GRAPHS / name / "pipeline.json"
-    ref = fastpipe.load(path)
+    ref = fastpipe.load(path, processor="reference")
     on = fastpipe.load(path, processor="region")
     off = fastpipe.load(path, processor="region", merge_shards=False)
     assert off.runner.passes.merged == 0
@@ -543,7 +543,7 @@ def llama_tp2(tmp_path_factory):
 
 def test_llama_tp2_region_merges_its_gemms_and_equals_the_reference(llama_tp2):
     hf, model, path = llama_tp2
-    ref = fastpipe.load(path)
+    ref = fastpipe.load(path, processor="reference")
     on = fastpipe.load(path, processor="region")
     off = fastpipe.load(path, processor="region", merge_shards=False)
     gemm = (aten.mm.default, aten.bmm.default)

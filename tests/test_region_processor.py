@@ -27,7 +27,7 @@ def _equal(a, b, tol=0.0):
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_eager_region_equals_reference(name):
     path = GRAPHS / name / "pipeline.json"
-    ref = fastpipe.load(path)
+    ref = fastpipe.load(path, processor="reference")
     kept = fastpipe.load(path, processor="region", merge_shards=False)
     merged = fastpipe.load(path, processor="region")
     assert [r.device for r in kept.program.regions] == ["cpu"]          # every slot on the CPU: one region
@@ -52,7 +52,7 @@ def test_compiled_region_equals_reference_with_and_without_chunks(name):
         ins = load_file(str(GRAPHS / name / "inputs.safetensors"))
         want = load_file(str(GRAPHS / name / "expected.safetensors"))
         _equal(want, sess.run(ins), tol=1e-4)
-        ref = fastpipe.load(path)
+        ref = fastpipe.load(path, processor="reference")
         two = {k: torch.cat([v, v * 0.5]) for k, v in ins.items()}
         got = sess.run(two, chunks=2)
         for c, part in enumerate((ins, {k: v * 0.5 for k, v in ins.items()})):
@@ -99,14 +99,16 @@ def test_warm_up_keeps_the_faster_of_compiled_and_eager(monkeypatch, eager_faste
     sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="region", compile=True)
     sess.compile()
     (run,) = sess.runner.runs
-    assert run.timing == (compiled_s, eager_s)
+    cg = run.compiled
+    assert cg.timing == (compiled_s, eager_s) and cg.measured_at == "at warm-up"
     if eager_faster:
-        assert run.fn is run.gm
+        assert cg.use_eager
         assert "compiled as one graph, but run eagerly (faster at warm-up: 1000.000 vs 2000.000 ms a call)" in sess.describe()
     else:
-        assert run.fn is run.compiled and "run eagerly" not in sess.describe()
+        assert not cg.use_eager and "run eagerly" not in sess.describe()
+        assert "compiled as one graph (faster at warm-up: 1000.000 vs 2000.000 ms a call eager)" in sess.describe()
     ins = fresh_inputs(sess, 9)
-    _equal(fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json").run(ins), sess.run(ins), tol=1e-5)
+    _equal(fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="reference").run(ins), sess.run(ins), tol=1e-5)
 
 
 def test_compiled_once_per_process_per_distinct_region():
@@ -236,7 +238,7 @@ def test_trace_compiled_one_lane_per_region_with_compile_time_apart(tmp_path):
 def test_trace_eager_labels_every_supertask(tmp_path):
     sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="region")
     out = sess.run(fresh_inputs(sess, 3), trace=tmp_path / "t.json")
-    _equal(fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json").run(fresh_inputs(sess, 3)), out, tol=1e-5)
+    _equal(fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="reference").run(fresh_inputs(sess, 3)), out, tol=1e-5)
     ev = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     names = [e["name"] for e in ev if e["ph"] == "X"]
     computes = {st.supertask for ss in sess.program.steps.values() for st in ss if st.kind == "compute"}
@@ -260,14 +262,14 @@ def test_regions_across_devices_run_their_cross_device_groups_by_the_reference()
     group whose members span both is a region of its own, run by the comm reference."""
     from fastpipe.runtime.region_processor import RegionProcessor
 
-    ref = fastpipe.load(GRAPHS / "two_stage_skip" / "pipeline.json")
+    ref = fastpipe.load(GRAPHS / "two_stage_skip" / "pipeline.json", processor="reference")
     program = with_regions(ref.program, {"0": "A", "1": "B"})
     # stage 0's steps, then every send/recv between the stages, then stage 1's steps
     assert [r.device for r in program.regions] == ["A"] + [None] * len(ref.program.groups) + ["B"]
     proc = RegionProcessor(program, ref.checked.groups)
     ins = fresh_inputs(ref, 4)
     _equal(ref.run(ins), proc.run(ins)[0], tol=1e-6)
-    tp = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json")
+    tp = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="reference")
     program = with_regions(tp.program, {"0": "A", "1": "B"})
     devices = [r.device for r in program.regions]
     assert devices.count(None) == len(tp.program.groups)          # every group crosses
@@ -280,7 +282,7 @@ def test_opaque_groups_run_their_bound_callable():
     """Groups the fusion pass replaced (fused kernels) stay opaque calls inside the region graph."""
     from fastpipe.runtime.region_processor import RegionProcessor
 
-    ref = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json")
+    ref = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="reference")
     program = with_regions(ref.program, {"0": "cpu", "1": "cpu"})
     calls = []
     fns = dict(program.group_fns)
@@ -296,7 +298,7 @@ def test_opaque_groups_run_their_bound_callable():
 
 
 def test_region_pass_needs_no_device_and_orders_every_step():
-    ref = fastpipe.load(GRAPHS / "moe_all_to_all" / "pipeline.json")
+    ref = fastpipe.load(GRAPHS / "moe_all_to_all" / "pipeline.json", processor="reference")
     program = with_regions(lower(ref.checked), {s: "cpu" for s in ref.pipeline.devices})
     (r,) = program.regions
     assert sorted(r.steps) == sorted((s, i) for s in program.slots for i in range(len(program.steps[s])))
@@ -308,7 +310,7 @@ def test_region_pass_needs_no_device_and_orders_every_step():
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_cuda_region_replays_and_equals_reference(name):
     path = GRAPHS / name / "pipeline.json"
-    dm = {s: "cuda:0" for s in fastpipe.load(path).pipeline.devices}
+    dm = {s: "cuda:0" for s in fastpipe.load(path, processor="reference").pipeline.devices}
     sess = fastpipe.load(path, device_map=dm, processor="auto", compile=True)
     assert sess.processor == "region" and sess.runner.replay is not None
     sess.compile()

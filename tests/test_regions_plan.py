@@ -13,7 +13,7 @@ from tests.examples import GRAPHS
 
 @pytest.fixture(scope="module")
 def tp():
-    return fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json")
+    return fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="reference")
 
 
 def _with(program, regions):

@@ -39,7 +39,8 @@ def server(tmp_path_factory):
     try:
         line = proc.stdout.readline()
         assert line.startswith("listening on http://127.0.0.1:"), line + (folder / "server.log").read_text()
-        host, port = line.split("//")[1].strip().split(":")
+        host, port = line.split("//")[1].split()[0].split(":")
+        assert line.rstrip().endswith("(not compiled)"), line
         yield SimpleNamespace(proc=proc, host=host, port=int(port), model=model,
                               eos=model.generation_config.eos_token_id, log=folder / "server.log")
     finally:

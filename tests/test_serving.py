@@ -41,7 +41,7 @@ def test_flatten_and_nest_follow_spec_naming():
 
 def test_run_model_equals_hf_with_nested_cache(llama, tmp_path):
     folder, model = llama
-    sess = fastpipe.load(build_hf(folder, tp=2, pp=2, batch=2, seq_len=3, past_len=5).save(tmp_path / "o"))
+    sess = fastpipe.load(build_hf(folder, tp=2, pp=2, batch=2, seq_len=3, past_len=5).save(tmp_path / "o"), processor="reference")
     ids = torch.randint(0, 100, (2, 3), generator=torch.Generator().manual_seed(1))
     past = _past(model.config, 2, 5, 2)
     out = sess.run_model(input_ids=ids, past_key_values=past, check_replicas=True)
@@ -61,7 +61,7 @@ def test_outputs_are_assembled_on_the_device_asked_for(llama, tmp_path):
     """assemble_outputs(device=) / run_model(output_device=): each output a new tensor there (the engine
     keeps a GPU's logits and caches on it); the "meta" device stands in for a GPU here. Default: the CPU."""
     folder, _ = llama
-    sess = fastpipe.load(build_hf(folder, tp=2, batch=1, seq_len=3).save(tmp_path / "o"))
+    sess = fastpipe.load(build_hf(folder, tp=2, batch=1, seq_len=3).save(tmp_path / "o"), processor="reference")
     ids = torch.randint(0, 100, (1, 3), generator=torch.Generator().manual_seed(2))
     on_cpu = sess.run_model(input_ids=ids)
     assert on_cpu and all(t.device.type == "cpu" for t in on_cpu.values())
@@ -80,7 +80,7 @@ def test_run_model_says_what_no_slice_covers(llama, tmp_path):
     import dataclasses
 
     folder, _ = llama
-    sess = fastpipe.load(build_hf(folder, tp=2, batch=1, seq_len=3).save(tmp_path / "o"))
+    sess = fastpipe.load(build_hf(folder, tp=2, batch=1, seq_len=3).save(tmp_path / "o"), processor="reference")
     outs = sess.run({"input_ids": torch.zeros(1, 3, dtype=torch.int64)})
     md = sess.pipeline.metadata
     name, sl = next((n, s) for n, s in md.slices_outputs.items() if s.origin == "logits")
@@ -95,7 +95,7 @@ def test_run_model_says_what_no_slice_covers(llama, tmp_path):
 
 def test_replicated_slices_must_agree_in_debug_mode(llama, tmp_path):
     folder, _ = llama
-    sess = fastpipe.load(build_hf(folder, tp=2, batch=1, seq_len=4).save(tmp_path / "o"))
+    sess = fastpipe.load(build_hf(folder, tp=2, batch=1, seq_len=4).save(tmp_path / "o"), processor="reference")
     outs = sess.run({"input_ids": torch.zeros(1, 4, dtype=torch.int64)})
     outs["logits_rank1"] = outs["logits_rank1"] + 1e-3
     fast = assemble_outputs(sess.pipeline, outs)                # not checked: the first replica (rank 0's) wins

@@ -137,8 +137,8 @@ def test_constants_shared_between_sessions():
     from fastpipe.weights import WeightStore
 
     store = WeightStore()
-    a = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", store=store)
-    b = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", store=store)
+    a = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", store=store, processor="reference")
+    b = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", store=store, processor="reference")
     ca = {id(r) for ss in a.program.steps.values() for s in ss for r in s.constants.values()}
     cb = {id(r) for ss in b.program.steps.values() for s in ss for r in s.constants.values()}
     assert ca and ca == cb

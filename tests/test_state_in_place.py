@@ -73,7 +73,7 @@ def clones(d: dict) -> dict:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_state_pairs_of_a_static_pipeline(static, tp):
-    sess = fastpipe.load(static(tp))
+    sess = fastpipe.load(static(tp), processor="reference")
     p = sess.pipeline
     pairs = state_pairs(p)
     assert sess.state == pairs
@@ -94,7 +94,7 @@ def test_state_pairs_of_a_static_pipeline(static, tp):
 
 def test_no_pairs_without_updated_state(llama, tmp_path):
     # old-style decode: the caches come back longer (P + S positions) under the same names
-    old = fastpipe.load(build_hf(llama, tp=2, batch=B, seq_len=1, past_len=4).save(tmp_path / "old"))
+    old = fastpipe.load(build_hf(llama, tp=2, batch=B, seq_len=1, past_len=4).save(tmp_path / "old"), processor="reference")
     meta = old.pipeline.metadata
     shared = set(meta.tensors_inputs) & set(meta.tensors_outputs)
     assert len(shared) == 2 * LAYERS                  # same names: only the shapes tell them apart
@@ -102,12 +102,12 @@ def test_no_pairs_without_updated_state(llama, tmp_path):
     assert state_pairs(old.pipeline) == {} and old.state == {}
     # prefill (caches out, none in) and no cache at all
     for past_len in (0, None):
-        p = fastpipe.load(build_hf(llama, batch=B, seq_len=2, past_len=past_len).save(tmp_path / f"p{past_len}")).pipeline
+        p = fastpipe.load(build_hf(llama, batch=B, seq_len=2, past_len=past_len).save(tmp_path / f"p{past_len}"), processor="reference").pipeline
         assert state_pairs(p) == {}
     assert state_pairs(read_pipeline(ROOT / "graphs" / "tp_mlp" / "pipeline.json")) == {}
 
     # state_in_place on a pipeline without state: nothing is written, outputs are fresh
-    sess = fastpipe.load(old.pipeline, state_in_place=True)
+    sess = fastpipe.load(old.pipeline, state_in_place=True, processor="reference")
     ins = step_inputs(sess.pipeline, [4, 4], seed=1)
     before = clones(ins)
     out = sess.run(ins)
@@ -239,7 +239,7 @@ def test_cpu_steps_write_the_caches_natively(static, compile, monkeypatch):
     assert "torch.ops.aten.index_put.default(" not in code
     if compile:
         assert sess.compile().graphs and not sess.compile_report.eager
-    ref = fastpipe.load(path)
+    ref = fastpipe.load(path, processor="reference")
     for step in range(2):
         pos = [s + step for s in START]
         ins = step_inputs(sess.pipeline, pos, seed=step)
@@ -293,7 +293,7 @@ def test_a_state_input_read_by_two_steps_is_left_to_the_copy(static):
 def test_non_contiguous_state_inputs(static, processor):
     path = static(1)
     sess = fastpipe.load(path, processor=processor, state_in_place=True)
-    ref = fastpipe.load(path)
+    ref = fastpipe.load(path, processor="reference")
     pairs = sess.state
     p = sess.pipeline
     ins = step_inputs(p, START, seed=5)
@@ -324,7 +324,7 @@ def test_non_contiguous_state_inputs(static, processor):
 
 def test_refusals(static):
     path = static(1)
-    sess = fastpipe.load(path, state_in_place=True)
+    sess = fastpipe.load(path, state_in_place=True, processor="reference")
     ins = step_inputs(sess.pipeline, START, seed=6)
     ins["past_key_values_1_0"] = ins["past_key_values_0_1"]
     with pytest.raises(InputError, match=r'inputs\["past_key_values_1_0"\].*inputs\["past_key_values_0_1"\]'):
@@ -350,9 +350,9 @@ def test_refusals(static):
 
 def test_disjoint_views_of_one_buffer_are_accepted(static):
     path = static(1)
-    sess = fastpipe.load(path, state_in_place=True)
+    sess = fastpipe.load(path, state_in_place=True, processor="reference")
     ins = step_inputs(sess.pipeline, START, seed=8)
-    want = fastpipe.load(path).run(clones(ins))
+    want = fastpipe.load(path, processor="reference").run(clones(ins))
     names = sorted(sess.state)
     buf = torch.stack([ins[n] for n in names])          # every cache a view of one allocation
     for k, n in enumerate(names):

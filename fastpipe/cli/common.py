@@ -20,11 +20,16 @@ def run_options(args, **overrides):
     """The RunOptions of the run flags (processor auto unless --processor)."""
     from fastpipe.options import RunOptions
 
-    fields = dict(processor=args.processor, compile=not args.no_compile, compile_policy=args.compile_errors,
+    fields = dict(processor=args.processor, compile=compile_mode(args), compile_policy=args.compile_errors,
                   cuda_graph=not args.no_cuda_graph, merge_shards=not getattr(args, "no_merge_shards", False),
                   fuse=getattr(args, "fuse", "auto"))
     fields.update(overrides)
     return RunOptions(**fields)
+
+
+def compile_mode(args) -> str:
+    """RunOptions.compile of the flags: --compile background|wait|off (default background); --no-compile is off."""
+    return "off" if getattr(args, "no_compile", False) else (getattr(args, "compile", None) or "background")
 
 
 def device_map_of(args):

@@ -211,7 +211,7 @@ def _rank_main(args, rank: int) -> int:
             inputs = repeat_chunks(inputs, args.chunks)
     expected = read_tensors(args.check, "--check") if lead and args.check else None
     compile_msg = ""
-    if not args.no_compile:
+    if sess.compiles:                 # every rank compiles at warm-up, together (no tiering across ranks)
         rep = sess.compile()
         compile_msg = (f"; compiled {rep.graphs} graphs on rank 0 in {rep.seconds:.1f} s"
                        + (f" ({len(rep.eager)} eager)" if rep.eager else ""))

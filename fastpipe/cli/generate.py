@@ -21,7 +21,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def cmd_generate(args) -> int:
-    from fastpipe.cli.common import device_map_of
+    from fastpipe.cli.common import compile_mode, device_map_of
 
     folder = Path(args.serving_set)
     if not folder.is_dir():
@@ -46,8 +46,8 @@ def cmd_generate(args) -> int:
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     t = time.perf_counter()
-    engine = open_engine(folder, args.batch, processor=args.processor, compile=not args.no_compile,
-                         device_map=device_map)
+    mode = compile_mode(args)
+    engine = open_engine(folder, args.batch, processor=args.processor, compile=mode, device_map=device_map)
     failed = True
     try:
         load_s = time.perf_counter() - t
@@ -56,32 +56,54 @@ def cmd_generate(args) -> int:
             max(1, min(DEFAULT_MAX_NEW_TOKENS, engine.max_len - len(ids)))
         engine.check(ids, max_new_tokens=max_new, sampling=sampling)   # bad input fails now, not after compiling
         warm_s = engine.warmup()                # Engine(warmup=True) would do the same in its constructor
-        say(f"loaded {len(engine.buckets.sessions())} pipelines from {folder} in {load_s:.1f} s"
-            + (f", compiled in {warm_s:.1f} s" if not args.no_compile else " (eager)")
+        how = {"wait": f", compiled in {warm_s:.1f} s", "off": " (eager)",
+               "background": " (eager at once; each bucket compiled in the background as it is used)"}[mode]
+        say(f"loaded {len(engine.buckets.sessions())} pipelines from {folder} in {load_s:.1f} s{how}"
             + f": decode batch {engine.batch}, max_len {engine.max_len}, prompts up to "
               f"{engine.buckets.longest_prompt} tokens")
         bar = Progress(sys.stderr, enabled=not args.quiet and _isatty(sys.stderr) and not _isatty(sys.stdout))
         t0 = time.perf_counter()
         req = engine.submit(ids, max_new_tokens=max_new, sampling=sampling, ignore_eos=args.ignore_eos)
-        first, n = None, 0
+        first, n, swap = None, 0, None         # swap: (tokens, seconds) when the decode step ran compiled first
         bar.start(max_new, t0)
         try:
             for token in req:
                 n += 1
                 if first is None:
                     first = time.perf_counter() - t0
+                if swap is None and mode == "background" and runs_compiled(engine.decode):
+                    swap = (n, time.perf_counter() - t0)
                 printer.add(token)
                 bar.update(n)
         finally:
             bar.clear()
             printer.finish()
         seconds = time.perf_counter() - t0
+        compiled = compile_line(engine.decode, swap, n, seconds, first) if mode == "background" else None
         failed = False
     finally:
         engine.close(cancel=failed)
     stop = {"eos": "stopped at EOS", "length": "reached --max-new-tokens"}.get(req.finish_reason, req.finish_reason)
     say(f"{n} tokens in {seconds:.2f} s ({n / seconds:.1f} tokens/s, first token after {first * 1e3:.0f} ms); {stop}")
+    if compiled is not None:
+        say(compiled)
     return 0
+
+
+def runs_compiled(session) -> bool:
+    """Whether the session runs a compiled graph now (tiered: swapped in and kept after measuring)."""
+    return any(cg.compiled and not cg.use_eager and not cg.eager for cg in session._compiled().values())
+
+
+def compile_line(decode, swap, n: int, seconds: float, first: float) -> str:
+    """The decode step's compile, in one line: when it was swapped in and the speed before and after."""
+    if swap is None:
+        return f"decode step: {decode.compile_state()} (ran eagerly throughout)"
+    k, at = swap
+    eager = (k - 1) / (at - first) if k > 1 and at > first else float("nan")
+    after = (n - k) / (seconds - at) if n > k and seconds > at else float("nan")
+    return (f"decode step: compiled in the background, swapped in at token {k} ({at:.1f} s): {eager:.1f} tokens/s "
+            f"eager before, {after:.1f} tokens/s compiled after")
 
 
 def sampling_params(args):

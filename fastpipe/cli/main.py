@@ -162,7 +162,11 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--upload", choices=("pinned", "pageable"), default="pinned",
                    help="how weights reach a GPU: pinned (default: through pinned staging buffers, reading the file "
                         "while copying) or pageable (.to(device) per tensor)")
-    r.add_argument("--no-compile", action="store_true", help="run fx supertasks eagerly instead of torch.compile")
+    r.add_argument("--compile", choices=("background", "wait", "off"), default="background",
+                   help="background (default): run at once, eagerly, while each graph worth compiling compiles in a "
+                        "background thread; the compiled graph is swapped in once ready and faster, and the timed runs "
+                        "start once every compile settled. wait: compile before the first run (benchmarks). off: never")
+    r.add_argument("--no-compile", action="store_true", help="the same as --compile off")
     r.add_argument("--compile-errors", choices=("warn", "raise"), default="warn",
                    help="a graph that cannot be compiled: warn and run it eagerly (default), or fail")
     r.add_argument("--no-cuda-graph", action="store_true", help="cuda and region processors: no CUDA-graph capture")
@@ -253,7 +257,8 @@ def parser() -> argparse.ArgumentParser:
                         "files); producer-2024.1: the same with torch 2.1 payloads, for furiosa-llm 2024.1.x")
     b.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     g = sub.add_parser("generate", help="stream tokens for one prompt from a serving set (fastpipe build --serve)",
-                       description="Load a serving set (every bucket compiled up front unless --no-compile), generate "
+                       description="Load a serving set (eager at once; each bucket compiled in the background as it is "
+                                   "used, unless --compile wait or off), generate "
                                    "for one prompt and stream the tokens to stdout: text when the folder has a "
                                    "tokenizer, else token ids separated by spaces. stderr gets the load time, a "
                                    "progress bar (when stderr is a terminal and stdout is not) and a closing line "
@@ -276,7 +281,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--processor", choices=("auto", "reference", "region", "cpu", "cuda"), default="auto",
                    help="as for `fastpipe run` (default auto)")
     g.add_argument("--device-map", metavar="MAP", help="slot placement, e.g. 0=cpu,1=cuda:0")
-    g.add_argument("--no-compile", action="store_true", help="run the pipelines eagerly (no torch.compile warm-up)")
+    g.add_argument("--compile", choices=("background", "wait", "off"), default="background",
+                   help="background (default): the first token comes at once, eagerly, while each bucket compiles in "
+                        "the background as it is used, busiest first, and is swapped in once ready; wait: compile every "
+                        "bucket before the first token; off: never compile")
+    g.add_argument("--no-compile", action="store_true", help="the same as --compile off")
     g.add_argument("--quiet", "-q", action="store_true", help="nothing on stderr but errors")
     g.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return ap
@@ -320,5 +329,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED
 
 
+def entry() -> None:
+    """The console script (`fastpipe`) and `python -m fastpipe`: main(), then exit with its status. A compile
+    still running in the background (tiered compiles: its result was only ever an optimisation) is not
+    waited for: inductor's worker pools would hold the exit until it ends. Outputs are written (atomically)
+    by then; the compile cache writes its entries atomically too, so an abandoned one leaves nothing half-done."""
+    import os
+
+    code = main()
+    compiler = sys.modules.get("fastpipe.runtime.background_compile")
+    if compiler is not None and compiler.background().busy():
+        compiler.background().shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()

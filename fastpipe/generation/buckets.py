@@ -1,6 +1,6 @@
 """The loaded pipelines of a serving set (fastpipe.generation.build), told apart by their metadata.
 
-    bs = ServingBuckets("out/", processor="auto", compile=True)
+    bs = ServingBuckets("out/")            # fastpipe.load's keywords: processor="auto", compile="background"
     bs.decodes[8]          # Session of the decode step for 8 rows (static cache, state in place)
     bs.prefills[(1, 64)]   # Session of the prefill for 1 prompt of up to 64 tokens
     bs.max_len, bs.vocab
@@ -154,11 +154,17 @@ class ServingBuckets:
         updated in place (the decode step, a prefill into the cache), the inputs to warm it up and capture
         it on (an engine's own caches, which become the graph's buffers), or None. Such a bucket without
         them is compiled, not captured: a graph captured on seeded caches would hold a KV cache of its own;
-        it captures at its second run, on the caches it is given. Returns the seconds it took."""
+        it captures at its second run, on the caches it is given. Returns the seconds it took.
+        Buckets loaded with compile="background" (the default) are left alone: each runs eagerly from its
+        first call and compiles in the background once it has been called twice, the busiest bucket first
+        (fastpipe.runtime.background_compile), and captures its CUDA graph once compiled, on the inputs of
+        the call (the engine's caches)."""
         import time
 
         t = time.perf_counter()
         for s in self.by_size():
+            if s.background:
+                continue
             stateful = bool(s.state)
             inputs = state_inputs(s) if stateful and state_inputs is not None else None
             capture = not stateful or inputs is not None

@@ -54,12 +54,12 @@ class Engine:
     def __init__(self, source, *, batch: int | None = None, eos_token_id="auto", buckets: ServingBuckets | None = None,
                  warmup: bool = True, **load_kwargs):
         """source: a serving-set folder or a list of pipeline.json paths; load_kwargs: fastpipe.load's
-        (processor="auto" and compile=True unless given). eos_token_id: an id, a list, None, or "auto"
-        (generation_config.json / config.json in the folder). warmup: compile every bucket and capture
-        its CUDA graph (on a GPU; the decode step's on the engine's own caches) now (`warmup_seconds`),
-        not on the first requests."""
+        (processor="auto" and compile="background" unless given: requests are served eagerly at once, each
+        bucket compiled in the background as it is used, busiest first, and swapped in once ready).
+        eos_token_id: an id, a list, None, or "auto" (generation_config.json / config.json in the folder).
+        warmup: with compile="wait", compile every bucket and capture its CUDA graph (on a GPU; the decode
+        step's on the engine's own caches) now (`warmup_seconds`), not on the first requests."""
         load_kwargs.setdefault("processor", "auto")
-        load_kwargs.setdefault("compile", True)
         self.buckets = buckets if buckets is not None else ServingBuckets(source, **load_kwargs)
         try:
             self._setup(batch, eos_token_id, warmup)

@@ -45,9 +45,11 @@ from fastpipe.weights import ParamRef, WeightStore, resolve_param_path
 
 class Binder:
     def __init__(self, p: Pipeline, opts: LoadOptions, store: WeightStore, slot_devices: dict[str, torch.device],
-                 *, compile: bool = False, compile_policy: str = "warn", fold_gemms: bool = False):
+                 *, compile: bool = False, compile_policy: str = "warn", background: bool = False,
+                 fold_gemms: bool = False):
         self.p, self.opts, self.store, self.slot_devices = p, opts, store, slot_devices
         self.compile, self.compile_policy = compile, compile_policy
+        self.background = background      # tiered compiles (fastpipe.runtime.compile.CompiledGraph)
         self.fold_gemms = fold_gemms      # batched linears folded into mm (fastpipe.runtime.gemm_layout)
         self.compiled: dict[str, object] = {}     # supertask id -> CompiledGraph (when compiling)
         self._const: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -115,7 +117,7 @@ class Binder:
             if written:                          # another graph than the payload's: its own compiled graph
                 text += f"\n# fastpipe: state written in place, (input, output) indices {list(written)}"
             gm = compiled_graph(text, gm, device, f"supertasks[\"{sid}\"] on slot \"{self.p.supertasks[sid].device}\"",
-                                self.compile_policy)
+                                self.compile_policy, self.background)
             self.compiled[sid] = gm
 
         def run(xs, gm=gm):

@@ -84,6 +84,7 @@ class CudaProcessor:
         self.state = dict(state or {})     # state_in_place pairs: one-chunk runs capture on the caller's state tensors
         self.replays: dict[int, GraphReplay] = {}              # chunks -> the replay of a k-chunk run
         self.graph_pool = None                                 # use_pool(): every replay's memory pool
+        self.replay_ready = None                               # GraphReplay.ready of every replay (tiered compiles)
         # every replay and every eager run issues onto the same lanes: one at a time (a capture would
         # record another thread's eager work on a lane; the pool's turns once there is a pool)
         self.turns = Turns()
@@ -110,6 +111,7 @@ class CudaProcessor:
                                                    state=self.state if chunks == 1 else None)
             if self.graph_pool is not None:
                 r.use_pool(self.graph_pool)
+            r.ready = self.replay_ready
         return r
 
     def _whole_run(self, flat: dict, *, chunks: int) -> dict:

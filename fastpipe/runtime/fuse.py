@@ -382,7 +382,8 @@ def _graph_fn(gm: fx.GraphModule, binder, sid: str, device):
     if binder.compile:
         from fastpipe.runtime.compile import compiled_graph
 
-        gm = compiled_graph(gm.code, gm, device, f"supertasks[\"{sid}\"] (fused rest)", binder.compile_policy)
+        gm = compiled_graph(gm.code, gm, device, f"supertasks[\"{sid}\"] (fused rest)", binder.compile_policy,
+                            binder.background)
         binder.compiled[sid] = gm
 
     def run(xs, gm=gm):

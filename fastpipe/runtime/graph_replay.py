@@ -6,7 +6,9 @@
     outs = replay(inputs)       # copies the inputs into the static buffers, replays
 
 Without capture(): call 1 runs eagerly (warm-up: compiles, allocator settles), call 2 captures and
-replays, later calls replay. A server captures at warm-up instead (Session.compile / Session.capture),
+replays, later calls replay. With `ready` set (a callable: the session's tiered compiles), the first
+call from the second on at which ready() holds captures: calls before run fn as it stands. A server
+captures at warm-up instead (Session.compile / Session.capture),
 so no request pays for a capture.
 
 Buffers. Pipeline inputs are copied into static buffers the graph reads. `state` (input -> its
@@ -115,6 +117,9 @@ class GraphReplay:
         self.state = dict(state or {})
         self._state_outputs = frozenset(self.state.values())
         self.enabled = True
+        # whether fn is final (tiered compiles: every graph compiled or settled on eager): a call captures
+        # only then, so that no graph is captured around an eager region about to be swapped out
+        self.ready: Callable[[], bool] | None = None
         self.grouped_copies = True      # copies in and out: one launch per (device, dtype) group (copy_grouped)
         self.calls = 0                  # calls, capture() included
         self.replays = 0                # graph replays (the capture's own replay in call 2 included)
@@ -149,7 +154,7 @@ class GraphReplay:
             self.calls += 1
             if self.graph is not None:
                 return self._replay(inputs)
-            if self.enabled and self.calls >= 2:
+            if self.enabled and self.calls >= 2 and (self.ready is None or self.ready()):
                 if self._try_capture(inputs, stacklevel=4):
                     return self._replay(inputs)
             return self.fn(dict(inputs))

@@ -41,16 +41,17 @@ from fastpipe.runtime.release import release_with, weak_method
 _COMPILED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
 
 
-def _compiled_region(gm: torch.fx.GraphModule, device: str, where: str, policy: str):
-    """One CompiledGraph per distinct region code, constants, device and compile policy in this process
-    (shared while some session holds it; dropped with the last one)."""
+def _compiled_region(gm: torch.fx.GraphModule, device: str, where: str, policy: str, background: bool):
+    """One CompiledGraph per distinct region code, constants, device, compile policy and way of compiling
+    (tiered in the background, or at warm-up) in this process (shared while some session holds it;
+    dropped with the last one)."""
     from fastpipe.runtime.compile import CompiledGraph
 
     consts = tuple(id(t) for t in (*gm.parameters(), *gm.buffers()))
-    key = (hashlib.sha256(gm.code.encode()).hexdigest(), consts, device, policy)
+    key = (hashlib.sha256(gm.code.encode()).hexdigest(), consts, device, policy, background)
     cg = _COMPILED.get(key)
     if cg is None:
-        cg = CompiledGraph(gm, where, policy, what="region")
+        cg = CompiledGraph(gm, where, policy, what="region", background=background, device=device)
         _COMPILED[key] = cg
     return cg
 
@@ -75,15 +76,16 @@ class _RegionRun:
     def __init__(self, region: Region, fn: Callable | None, device=None, gm=None, compiled=None):
         self.region, self.fn, self.gm, self.compiled = region, fn, gm, compiled
         self.device = device            # the torch.device its steps are bound to (None: across devices)
-        self.timing: tuple[float, float] | None = None   # (compiled, eager) s per call, measured by tune()
 
 
 class RegionProcessor:
     def __init__(self, program: Program, groups: Mapping, *, compile: bool = False, compile_policy: str = "warn",
-                 cuda_graph: bool = True, merge_shards: bool = True, opaque_groups=(),
+                 background: bool = False, cuda_graph: bool = True, merge_shards: bool = True, opaque_groups=(),
                  state: Mapping[str, str] | None = None, graph_pool=None, alias_outputs: bool = False,
                  substitute: Callable[[list], None] | None = None):
-        """`groups`: the checked comm groups (kind, params); `opaque_groups`: groups whose bound
+        """`groups`: the checked comm groups (kind, params); `background`: with compile, each region runs
+        eagerly until the background compiler has compiled it (fastpipe.runtime.compile.CompiledGraph,
+        tiered), else it compiles at its first call (Session.compile's warm-up); `opaque_groups`: groups whose bound
         callable must run as is (fused kernels) instead of their one-device function; `state`: input ->
         its updated output, written into the input's tensor in the graph (fastpipe.runtime.state);
         `graph_pool`: a fastpipe.runtime.graph_replay.GraphPool for the CUDA graph (None: its own);
@@ -130,7 +132,7 @@ class RegionProcessor:
             cg = None
             if compile:
                 cg = _compiled_region(gm, r.device, f"region \"{r.name}\" on {r.device} ({self.describe_region(r)})",
-                                      compile_policy)
+                                      compile_policy, background)
             slot, i = r.steps[0]
             self.runs.append(_RegionRun(r, cg if cg is not None else gm, program.steps[slot][i].device, gm, cg))
         release_with(self, [run.gm for run in self.runs])   # the stitched graphs' weights go with this processor
@@ -197,19 +199,20 @@ class RegionProcessor:
         return f"{len(r.steps)} steps of slots {', '.join(slots)}"
 
     def describe(self) -> str:
-        """One line: how many regions on which devices, compiled or eager, replayed or not."""
+        """One line: how many regions on which devices, compiled or eager (and, tiered, where each compile
+        stands), replayed or not."""
         by_dev: dict[str, int] = {}
         for r in self.program.regions:
             key = r.device or "cross-device comm"
             by_dev[key] = by_dev.get(key, 0) + 1
         parts = [f"{k} region{'s' if k != 1 else ''} on {d}" for d, k in by_dev.items()]
-        one = len(self.runs) == 1
-        how = ("compiled as one graph" + ("" if one else " each")) if self.compile else "eager, one call" + ("" if one else " each")
-        for run in self.runs:
-            if run.timing is not None and run.fn is run.gm:
-                c, e = run.timing
-                how += (f", but {'' if one else run.region.name + ' '}run eagerly (faster at warm-up: "
-                        f"{e * 1e3:.3f} vs {c * 1e3:.3f} ms a call)")
+        phrases = [run.compiled.state() if run.compiled is not None else "eager, one call"
+                   for run in self.runs if run.fn is not None]
+        if not self.compile or len(set(phrases)) <= 1:
+            how = (phrases[0] if phrases else "eager") + ("" if len(phrases) <= 1 else " each")
+        else:
+            how = "; ".join(f"{run.region.name}: {ph}" for run, ph in zip([r for r in self.runs if r.fn is not None],
+                                                                          phrases))
         if self.passes.merged:
             how += f", {self.passes.merged} shard matmuls merged"
         if self.folded:
@@ -217,16 +220,21 @@ class RegionProcessor:
         if self.state:
             how += f", {len(self.state)} state tensors updated in place ({self.in_place} by an in-place write)"
         if self.replay is not None:
-            how += (", replayed as one CUDA graph" if self.replay.failure is None
-                    else f", CUDA-graph capture failed ({self.replay.failure}): run without a graph")
+            if self.replay.failure is not None:
+                how += f", CUDA-graph capture failed ({self.replay.failure}): run without a graph"
+            elif self.replay.replaying or self.compile is False or all(r.compiled is None or r.compiled.settled
+                                                                       for r in self.runs):
+                how += ", replayed as one CUDA graph"
+            else:
+                how += ", replayed as one CUDA graph once compiled"
         return f"{', '.join(parts)}; {how}"
 
     def tune(self, inputs: Mapping[str, torch.Tensor]) -> None:
         """After the warm-up compile: time each compiled CPU region against its stitched graph run
-        eagerly, on these inputs, and keep the faster. For a region of a few small ops the compiled
-        call's fixed cost (guards, wrappers: tens of microseconds) can exceed what it saves; the
-        choice and both times are in describe(). CUDA regions keep the compiled graph (replay hides
-        the per-call cost)."""
+        eagerly, on these inputs, and keep the faster (CompiledGraph.settle). For a region of a few small
+        ops the compiled call's fixed cost (guards, wrappers: tens of microseconds) can exceed what it
+        saves; the choice and both times are in describe(). CUDA regions keep the compiled graph (replay
+        hides the per-call cost). Tiered regions compiled by Session.compile (finish()) are settled here too."""
         env = dict(inputs)
         with torch.inference_mode():
             for run in self.runs:
@@ -236,10 +244,12 @@ class RegionProcessor:
                 else:
                     args = self._args(run, env)
                     cg = run.compiled
-                    if cg is not None and cg.compiled and run.device.type == "cpu":
-                        t_compiled, t_eager = _per_call(lambda: cg(*args)), _per_call(lambda: run.gm(*args))
-                        run.fn = run.gm if t_eager < t_compiled else cg
-                        run.timing = (t_compiled, t_eager)
+                    if cg is not None and cg.device_type == "cuda" and cg._ready and not cg.compiled:
+                        cg.compiled = True
+                    if cg is not None and (cg.compiled or cg._ready) and not cg.eager and not cg.skipped \
+                            and run.device.type == "cpu":
+                        t_compiled, t_eager = _per_call(lambda: cg.fn(*args)), _per_call(lambda: run.gm(*args))
+                        cg.settle(t_compiled, t_eager, "at warm-up")
                     env.update(zip(r.writes, run.fn(*args)))
                 for n in r.frees:
                     env.pop(n, None)
@@ -253,10 +263,11 @@ class RegionProcessor:
         for run in self.runs:
             r = run.region
             what = "cross-device comm" if r.device is None else f"on {r.device}"
-            if run.compiled is not None:
-                what += (f", compiled in {run.compiled.compile_seconds:.2f} s at warm-up" if run.compiled.compiled
-                         else ", compile failed: eager")
-                if run.compiled.compiled and run.fn is run.gm:
+            cg = run.compiled
+            if cg is not None:
+                when = "in the background" if cg.background else "at warm-up"
+                what += (f", compiled in {cg.compile_seconds:.2f} s {when}" if cg.compiled else f", {cg.state()}")
+                if cg.use_eager and cg.compiled:
                     what += ", run eagerly (faster)"
             out[r.name] = f"region {r.name} {what}"
         return out
@@ -286,13 +297,18 @@ class RegionProcessor:
         for run in self.runs:
             r = run.region
             start = time.perf_counter()
+            cg = run.compiled
+            # a traced run of a region that runs eagerly (not compiled, or not yet, or eager measured faster)
+            # goes step by step, so that each supertask has its own event
+            as_steps = trace is not None and run.fn is not None and (
+                cg is None or not cg.compiled or cg.use_eager or cg.eager)
             if run.fn is None:
                 self._run_crossing(r, env)
-            elif trace is not None and run.compiled is None:
+            elif as_steps:
                 self._run_steps(r, env, trace=trace, chunk=chunk, t0=t0)
             else:
                 self._run_graph(run, env)
-            if trace is not None and (run.fn is None or run.compiled is not None):
+            if trace is not None and not as_steps:
                 trace.append((r.name, r.label, start - t0, time.perf_counter() - t0, chunk))
             for n in r.frees:
                 env.pop(n, None)
