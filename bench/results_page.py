@@ -4,7 +4,7 @@
     python -m bench.results_page --check    # exit 1 where BENCHMARKS.md is not what the results render
 
 Every result file is named <report>_<device>_..._<date>.json; its report (runtime, serving, fused, memory,
-real_size, scale) picks its table (bench/results_tables.py). A fused-kernel run supersedes an older one on
+real_size, scale, cold_start) picks its table (bench/results_tables.py). A fused-kernel run supersedes an older one on
 the same device (the grid is the same); every other file is a table of its own. Tables without a row to
 show (a file of baseline rows only) are left out.
 """
@@ -32,6 +32,10 @@ SECTIONS = [
      "`fastpipe build` at each tp x pp, and `fastpipe.load` against safetensors' own load of the same files; each "
      "measure in a fresh process, peak RSS its high-water mark. Builds link the checkpoint: no weight byte copied.",
      tables.scale),
+    ("cold_start_", "Ready in seconds: cold start",
+     "Fresh processes with fastpipe's compile cache empty (cold) and filled (warm): the time to the first "
+     "output and the speed reached later in the same run, with graphs compiled in the background.",
+     tables.cold_start),
     ("runtime_", "The decode step on a GPU, at 4 layers",
      "A small Llama split tp=2 on one GPU against the fastest compiled unsplit row of the run. At this size a "
      "step is launch-bound: the rows measure launches and host work, not bandwidth.",

@@ -329,3 +329,52 @@ def scale(name: str, doc: dict) -> list[str]:
         lines.append(row("load: device memory allocated", gib(got), "weights + KV cache", gib(want), x(got / want),
                          f"within {pct(HELD_TOLERANCE)}", met(abs(got - want) <= HELD_TOLERANCE * want)))
     return table(head, lines)
+
+
+# ------------------------------------------------------------------------------------- cold start
+def cold_start(name: str, doc: dict) -> list[str]:
+    """bench/cold_start.py: time to the first output in a fresh process (compile caches empty and warm), the
+    steady speed reached in the same run, and the library's decode step once warm."""
+    from bench.cold_start import FIRST_OUTPUT_TARGET_S, LIBRARY_RATIO_TARGET
+
+    rows = need(doc, "rows", dict, name)
+    m = need(doc, "model", dict, name)
+    model = (f"**README main job** (graphs/tp_mlp) and a random Llama ({m['layers']} layers, hidden {m['hidden']}, "
+             f"vocabulary {m['vocab']}, tp={m['tp']}, max_len {m['max_len']}) served by `fastpipe generate`; cold: an "
+             "empty FASTPIPE_CACHE_DIR, warm: the same folder after the cold run.")
+    head, lines = provenance(name, doc, "python -m bench.cold_start", model), []
+    for mode in ("background", "wait"):
+        r = rows.get(f"readme_{mode}")
+        if r is None:
+            continue
+        for temp in ("cold", "warm"):
+            v = r[temp]["first_output_s"]
+            target = f"< {FIRST_OUTPUT_TARGET_S:.0f} s" if mode == "background" and temp == "cold" else ""
+            lines.append(row(f"README job, first output, `--compile {mode}`, {temp}", f"{v:.1f} s", "", "", "", target,
+                             met(v < FIRST_OUTPUT_TARGET_S) if target else ""))
+    gen, wait = rows.get("generate_background"), rows.get("generate_wait", {}).get("warm")
+    for temp in ("cold", "warm") if gen else ():
+        g = gen[temp]
+        v = g["first_token_s"]
+        target = f"< {FIRST_OUTPUT_TARGET_S:.0f} s" if temp == "cold" else ""
+        lines.append(row(f"`fastpipe generate`, first token, {temp}", f"{v:.1f} s", "", "", "", target,
+                         met(v < FIRST_OUTPUT_TARGET_S) if target else ""))
+        if "compiled_tokens_per_s" in g:
+            after = g["compiled_tokens_per_s"]
+            base = wait["tokens_per_s"] if wait else None
+            lines.append(row(f"generate, {temp}: tokens/s once swapped in (token {g['swapped_at_token']}, "
+                             f"{g['swapped_at_s']:.0f} s; eager before: {g['eager_tokens_per_s']:.0f})", f"{after:.0f}",
+                             "`--compile wait`, warm" if base else "", f"{base:.0f}" if base else "",
+                             x(base / after) if base else "", "", ""))
+        else:
+            lines.append(row(f"generate, {temp}: {g.get('decode_step', 'no decode-step line')}", "", "", "", "", "", ""))
+    srv = rows.get("server")
+    for temp in ("cold", "warm") if srv else ():
+        lines.append(row(f"server ready, {temp} (then a 16-token answer in {srv[temp]['first_answer_s']:.1f} s)",
+                         f"{srv[temp]['ready_s']:.1f} s", "", "", "", "", ""))
+    lib = rows.get("library_decode_step")
+    if lib:
+        lines.append(row("`fastpipe.load(path).run` on the decode step, defaults, warm", f"{lib['fastpipe_ms']:.3f} ms",
+                         "transformers, static cache, torch.compile", f"{lib['transformers_compiled_ms']:.3f} ms",
+                         x(lib["ratio"]), f"<= {LIBRARY_RATIO_TARGET}x", met(lib["ratio"] <= LIBRARY_RATIO_TARGET)))
+    return head + table([], lines)

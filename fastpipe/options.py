@@ -59,7 +59,8 @@ class RunOptions:
     thread compiles it; the compiled graph is swapped in between calls once ready and, on the CPU,
     measured faster on real calls (the faster is kept); on the CPU a cheap estimate first skips graphs
     whose compile cannot pay (fastpipe.runtime.compile_estimate). A CUDA graph is captured once every
-    compile has settled. (The dist processor compiles at warm-up, every rank together.)
+    compile has settled. (The dist processor compiles at warm-up, every rank together; the reference
+    processor, the oracle, stays eager.)
     "wait": compile at warm-up, before the first run returns (Session.compile; benchmarks).
     "off": never compile. True and False are taken as "wait" and "off"."""
     compile_policy: str = "warn"

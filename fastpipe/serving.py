@@ -80,11 +80,15 @@ class ModelSet:
         return {n: t[:b] for n, t in res.items()}
 
     def warmup(self) -> None:
-        """Run every bucket once on zeros (the first call of a graph generates its code: keep it off the
-        request path)."""
+        """Warm every bucket up now, off the request path: Session.compile() (what is worth compiling is
+        compiled here, and settled, whatever the compile mode: no bucket changes how it runs, or its
+        numerics, under later requests), then one run on zeros (the first call of a graph generates its
+        code)."""
         for b in self.buckets:
             zeros = {n: torch.zeros(s, dtype=_dtype(b, n)) for n, s in b.inputs.items()}
             with b.lock:
+                if b.session.compiles and b.session.compile_report is None:
+                    b.session.compile(capture=False)
                 b.session.run(to_pipeline_inputs(b.session.pipeline, zeros))
 
     def weight_bytes(self) -> int:

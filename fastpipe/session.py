@@ -86,8 +86,9 @@ class Session:
         self._in_place = self.state if opts.state_in_place else {}
         # compile: "background" is tiered (fastpipe.runtime.compile); the dist processor's ranks compile at
         # warm-up together instead
-        self.compiles = opts.compile != "off"
-        self.background = opts.compile == "background" and self.processor != "dist"
+        # (the reference processor, the oracle, stays eager unless asked for "wait": nothing swapped under it)
+        self.compiles = opts.compile == "wait" or (opts.compile == "background" and self.processor != "reference")
+        self.background = self.compiles and opts.compile == "background" and self.processor != "dist"
         # the region processor compiles whole regions; its steps stay eager (for locating failures)
         self._binder = Binder(pipeline, self.options, self.store, self.slot_devices,
                               compile=self.compiles and not region, compile_policy=opts.compile_policy,

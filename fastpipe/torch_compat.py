@@ -9,6 +9,7 @@ names ``torch._<something>``).
     unique_graphs()                dynamo's count of graphs compiled so far (torch._dynamo)
     counting_inductor(on_compile)  inductor as a torch.compile backend that calls on_compile() per graph it compiles
     compiled_calls_beside_fx_tracing()  let compiled functions run while another thread FX-traces (torch._dynamo.config)
+    fx_tracing_lock()              the lock every torch.compile holds while it traces; make_fx elsewhere takes it too
     inductor_default_cache_dir()   the folder inductor caches in when TORCHINDUCTOR_CACHE_DIR is unset (torch._inductor)
     make_graph_module(...)         a GraphModule whose code is generated lazily (torch.fx)
     end_pool_routing(device, pool) stop routing allocations into a failed capture's pool (torch._C)
@@ -80,6 +81,16 @@ def compiled_calls_beside_fx_tracing() -> str:
         entry.default = value
     setattr(dynamo_config, name, value)
     return f"{name}={value}"
+
+
+def fx_tracing_lock():
+    """Dynamo's compile lock (an RLock, torch._dynamo.convert_frame): every torch.compile holds it while it
+    traces and compiles. FX's tracing state is process-global (the patcher, the "tracing now" flag), so
+    fastpipe's own make_fx tracing (the builder) takes this lock too: it never runs beside a compile in
+    another thread (the background compiler's)."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    return compile_lock
 
 
 def inductor_default_cache_dir() -> str:

@@ -18,7 +18,7 @@ from fastpipe.builder.rewrite import shard_module
 from fastpipe.builder.sharding import apply_sharding
 from fastpipe.errors import BuildError
 from fastpipe.format import parse_pipeline
-from fastpipe.torch_compat import FakeTensorMode
+from fastpipe.torch_compat import FakeTensorMode, fx_tracing_lock
 from fastpipe.validate import validate_structure
 
 
@@ -101,7 +101,8 @@ def trace_rank(local: nn.Module, param_names: Sequence[str], forward: Callable, 
         out = forward(local, params, *xs[n:])
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
-    return make_fx(flat, tracing_mode="fake")(*fparams, *finputs)
+    with fx_tracing_lock():              # FX's tracing state is global: never beside a background compile
+        return make_fx(flat, tracing_mode="fake")(*fparams, *finputs)
 
 
 def _default_forward(local, params, *inputs):

@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fastpipe import dtypes
 from fastpipe.format.comm_shapes import comm_output_shape
 from fastpipe.payload import encode_payload
-from fastpipe.torch_compat import FakeTensorMode
+from fastpipe.torch_compat import FakeTensorMode, fx_tracing_lock
 
 
 class Assembler:
@@ -79,7 +79,8 @@ class Assembler:
             out = fn(*xs)
             return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
-        gm = make_fx(flat, tracing_mode="fake")(*fakes)
+        with fx_tracing_lock():          # FX's tracing state is global: never beside a background compile
+            gm = make_fx(flat, tracing_mode="fake")(*fakes)
         with mode:
             results = flat(*fakes)
         if len(results) != len(outputs):

@@ -41,7 +41,7 @@ from fastpipe.builder.sources import Source
 from fastpipe.builder.tp_layers import ColumnLinear, RowLinear, VocabEmbedding
 from fastpipe.errors import BuildError
 from fastpipe.format import parse_pipeline
-from fastpipe.torch_compat import FakeTensorMode
+from fastpipe.torch_compat import FakeTensorMode, fx_tracing_lock
 from fastpipe.validate import validate_structure
 
 LAYERS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "encoder.layer"}
@@ -211,7 +211,8 @@ def build_hf(model_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 1,
         def flat(*xs, ff=ff, n=n, pnames=pnames):
             return tuple(ff.fn(dict(zip(pnames, xs[:n])), *xs[n:]))
 
-        gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*fparams, *finputs)
+        with fx_tracing_lock():          # FX's tracing state is global: never beside a background compile
+            gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*fparams, *finputs)
         gm.graph.eliminate_dead_code()
         gm.recompile()
         apply_sharding(gm, rank, tp)

@@ -532,7 +532,7 @@ def trace_fake(ff: FlatForward, params: Mapping[str, torch.Tensor], *, device="c
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fastpipe.torch_compat import FakeTensor, FakeTensorMode
+    from fastpipe.torch_compat import FakeTensor, FakeTensorMode, fx_tracing_lock
 
     if buffers not in ("inputs", "constants"):
         raise BuildError(f"buffers: expected 'inputs' or 'constants', found {buffers!r}")
@@ -546,7 +546,8 @@ def trace_fake(ff: FlatForward, params: Mapping[str, torch.Tensor], *, device="c
         else:
             finputs = [mode.from_tensor(x) if not isinstance(x, FakeTensor) else x
                        for x in inputs]
-    return make_fx(ff.fn, tracing_mode="fake", _allow_non_fake_inputs=not as_inputs)(fparams, *finputs)
+    with fx_tracing_lock():              # FX's tracing state is global: never beside a background compile
+        return make_fx(ff.fn, tracing_mode="fake", _allow_non_fake_inputs=not as_inputs)(fparams, *finputs)
 
 
 def call_targets(gm: torch.fx.GraphModule) -> set[str]:
