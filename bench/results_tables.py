@@ -345,20 +345,19 @@ def cold_start(name: str, doc: dict) -> list[str]:
     head, lines = provenance(name, doc, "python -m bench.cold_start", model), []
     for mode in ("background", "wait"):
         r = rows.get(f"readme_{mode}")
-        if r is None:
-            continue
-        for temp in ("cold", "warm"):
-            v = r[temp]["first_output_s"]
-            target = f"< {FIRST_OUTPUT_TARGET_S:.0f} s" if mode == "background" and temp == "cold" else ""
-            lines.append(row(f"README job, first output, `--compile {mode}`, {temp}", f"{v:.1f} s", "", "", "", target,
-                             met(v < FIRST_OUTPUT_TARGET_S) if target else ""))
+        if r is not None:
+            cold, warm = r["cold"]["first_output_s"], r["warm"]["first_output_s"]
+            on = mode == "background"
+            lines.append(row(f"README job, first output, `--compile {mode}`, cold / warm", f"{cold:.1f} s / {warm:.1f} s",
+                             "", "", "", f"< {FIRST_OUTPUT_TARGET_S:.0f} s cold" if on else "",
+                             met(cold < FIRST_OUTPUT_TARGET_S) if on else ""))
     gen, wait = rows.get("generate_background"), rows.get("generate_wait", {}).get("warm")
+    if gen:
+        cold, warm = gen["cold"]["first_token_s"], gen["warm"]["first_token_s"]
+        lines.append(row("`fastpipe generate`, first token, cold / warm", f"{cold:.1f} s / {warm:.1f} s", "", "", "",
+                         f"< {FIRST_OUTPUT_TARGET_S:.0f} s cold", met(cold < FIRST_OUTPUT_TARGET_S)))
     for temp in ("cold", "warm") if gen else ():
         g = gen[temp]
-        v = g["first_token_s"]
-        target = f"< {FIRST_OUTPUT_TARGET_S:.0f} s" if temp == "cold" else ""
-        lines.append(row(f"`fastpipe generate`, first token, {temp}", f"{v:.1f} s", "", "", "", target,
-                         met(v < FIRST_OUTPUT_TARGET_S) if target else ""))
         if "compiled_tokens_per_s" in g:
             after = g["compiled_tokens_per_s"]
             base = wait["tokens_per_s"] if wait else None
@@ -369,12 +368,13 @@ def cold_start(name: str, doc: dict) -> list[str]:
         else:
             lines.append(row(f"generate, {temp}: {g.get('decode_step', 'no decode-step line')}", "", "", "", "", "", ""))
     srv = rows.get("server")
-    for temp in ("cold", "warm") if srv else ():
-        lines.append(row(f"server ready, {temp} (then a 16-token answer in {srv[temp]['first_answer_s']:.1f} s)",
-                         f"{srv[temp]['ready_s']:.1f} s", "", "", "", "", ""))
+    if srv:
+        lines.append(row(f"server ready, cold / warm (then a 16-token answer in {srv['cold']['first_answer_s']:.1f} s)",
+                         f"{srv['cold']['ready_s']:.1f} s / {srv['warm']['ready_s']:.1f} s", "", "", "", "", ""))
     lib = rows.get("library_decode_step")
     if lib:
-        lines.append(row("`fastpipe.load(path).run` on the decode step, defaults, warm", f"{lib['fastpipe_ms']:.3f} ms",
+        lines.append(row(f"`fastpipe.load(path).run` on a decode step (max_len {lib['max_len']}), defaults, settled in "
+                         f"{lib['settled_after_s']:.0f} s", f"{lib['fastpipe_ms']:.3f} ms",
                          "transformers, static cache, torch.compile", f"{lib['transformers_compiled_ms']:.3f} ms",
                          x(lib["ratio"]), f"<= {LIBRARY_RATIO_TARGET}x", met(lib["ratio"] <= LIBRARY_RATIO_TARGET)))
     return head + table([], lines)
