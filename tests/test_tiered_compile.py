@@ -173,13 +173,19 @@ def test_never_two_compiles_of_one_graph_at_once(worth):
     assert seen["calls"] == 1 and seen["most"] == 1 and cg._ready
 
 
-def test_a_failed_background_compile_warns_at_the_next_call_and_stays_eager(worth):
-    cg = CompiledGraph(_gm(2), "test chain", "warn", background=True, device="cpu")
+def _failed_in_the_background(policy: str):
+    """A graph whose background compile failed (its failure not yet reported), and the input it ran on."""
+    cg = CompiledGraph(_gm(2), "test chain", policy, background=True, device="cpu")
     _spy_fn(cg, fail=RuntimeError("inductor said no"))
     x = torch.randn(8)
     for _ in range(3):
         cg(x)
-    assert background().wait_idle(30)
+    assert background().wait_idle(30) and cg._failure is not None
+    return cg, x
+
+
+def test_a_failed_background_compile_warns_at_the_next_call_and_stays_eager(worth):
+    cg, x = _failed_in_the_background("warn")
     with pytest.warns(RuntimeWarning, match=r"test chain: torch.compile failed \(RuntimeError: inductor said no\); "
                                             "running this supertask eagerly"):
         out = cg(x)
@@ -191,12 +197,7 @@ def test_a_failed_background_compile_warns_at_the_next_call_and_stays_eager(wort
 
 
 def test_a_failed_background_compile_raises_with_policy_raise(worth):
-    cg = CompiledGraph(_gm(2), "test chain", "raise", background=True, device="cpu")
-    _spy_fn(cg, fail=RuntimeError("inductor said no"))
-    x = torch.randn(8)
-    for _ in range(3):
-        cg(x)
-    assert background().wait_idle(30)
+    cg, x = _failed_in_the_background("raise")
     with pytest.raises(CompileError, match="test chain: torch.compile failed: RuntimeError: inductor said no"):
         cg(x)
 
