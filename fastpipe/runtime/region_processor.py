@@ -298,10 +298,10 @@ class RegionProcessor:
             r = run.region
             start = time.perf_counter()
             cg = run.compiled
-            # a traced run of a region that runs eagerly (not compiled, or not yet, or eager measured faster)
-            # goes step by step, so that each supertask has its own event
-            as_steps = trace is not None and run.fn is not None and (
-                cg is None or not cg.compiled or cg.use_eager or cg.eager)
+            # a traced run of a region never compiled (compile off, skipped by the estimate, or not yet) goes step
+            # by step, so that each supertask has its own event; a compiled one (run compiled, or eagerly where
+            # measured faster, or after a failed compile) is one event, as it runs
+            as_steps = trace is not None and run.fn is not None and (cg is None or not (cg.compiled or cg.eager))
             if run.fn is None:
                 self._run_crossing(r, env)
             elif as_steps:
