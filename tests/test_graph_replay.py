@@ -421,7 +421,7 @@ def test_session_compile_captures_so_the_first_run_replays(fake):
     """Plumbing only: Session.compile reaches the processor's GraphReplay and captures it at warm-up.
     A CPU region processor has no replay, so one with the fakes is put in; the fake capture of the real
     region function records no kernels, so the values are not checked here (the GPU test does)."""
-    sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="region", graph_pool=GraphPool())
+    sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="region", graph_pool=GraphPool(), compile="off")
     assert sess.runner.replay is None and sess.capture() is False
     calls = []
     inner = sess.runner._run_env
@@ -443,7 +443,7 @@ def test_a_dropped_session_with_a_captured_replay_frees_its_weights_at_once(fake
     from fastpipe.weights import WeightStore
 
     store = WeightStore()
-    sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="region", store=store, graph_pool=GraphPool())
+    sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="region", store=store, graph_pool=GraphPool(), compile="off")
     sess.runner.replay = r = GraphReplay(weak_method(sess.runner._run_env), CPU, pool=sess.run_options.graph_pool)
     sess.compile()
     sess.run({"x": torch.randn(8, 64)})
@@ -498,7 +498,7 @@ def test_a_capture_failing_at_compile_warns_there_and_describe_says_so(fake):
     """Never silent: a warm-up capture failure is reported by compile() (policy "warn"), describe() names
     it, and runs go on eagerly with the reference's outputs."""
     path = GRAPHS / "tp_mlp" / "pipeline.json"
-    sess = fastpipe.load(path, processor="region")
+    sess = fastpipe.load(path, processor="region", compile="off")
     inner = sess.runner._run_env
 
     def breaks(ins):

@@ -75,7 +75,7 @@ def test_show_plan_prints_the_program_that_runs(capsys):
     path = GRAPHS / "seq_parallel" / "pipeline.json"
     assert main(["show", "--plan", str(path)]) == 0
     out = capsys.readouterr().out
-    sess = fastpipe.load(path, processor="auto")
+    sess = fastpipe.load(path, processor="auto", compile="off")
     assert format_table(sess.program, pipeline=sess.pipeline) in out
     assert f"(run by the {sess.describe()})" in out
     assert "region r0 on cpu: 10 steps of slots 0, 1; takes x_0, x_1; hands on y" in out
@@ -112,7 +112,7 @@ def test_auto_is_chosen_by_the_library():
     assert choose_processor("auto", {"0": gpu, "1": cpu}, {}) == "cpu"
     assert choose_processor("auto", {"0": cpu}, {"WORLD_SIZE": "2"}) == "dist"
     assert choose_processor("reference", {"0": gpu}, {"WORLD_SIZE": "2"}) == "reference"
-    sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="auto")
+    sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="auto", compile="off")
     assert sess.processor == "region" and sess.run_options.processor == "auto"
 
 

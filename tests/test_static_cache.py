@@ -115,7 +115,7 @@ def test_static_step_equals_hf(checkpoints, built, family, tp, S):
     assert len(sess.pipeline.devices) == tp
     check_step(sess, model, family, S, seed=10 * tp + S)
     if tp == 2 and S > 1:   # the stitched region graph (one index_put per cache and rank) as well
-        check_step(fastpipe.load(path, processor="region"), model, family, S, seed=10 * tp + S + 1)
+        check_step(fastpipe.load(path, processor="region", compile="off"), model, family, S, seed=10 * tp + S + 1)
 
 
 def test_flat_signature_with_max_len():

@@ -43,7 +43,7 @@ def print_plan(p, args) -> None:
     from fastpipe.session import Session
 
     sess = Session(p, device_map=device_map_of(args), load_options=load_options(args),
-                   run_options=RunOptions(processor="auto", fuse=args.fuse))
+                   run_options=RunOptions(processor="auto", compile="off", fuse=args.fuse))   # the plan: nothing compiles
     try:
         table = format_table(sess.program, pipeline=p)
         sys.stdout.write(table if table.endswith("\n") else table + "\n")
