@@ -168,7 +168,7 @@ class Session:
 
         end = None if timeout is None else time.monotonic() + timeout
         for cg in self._compiled().values():
-            while cg._queued:
+            while cg.stage == "compiling":
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -183,11 +183,11 @@ class Session:
         graphs = {id(cg): cg for cg in self._compiled().values()}.values()
         if not graphs:
             return "nothing to compile"
+        label = {"skipped": "skipped (cannot pay)", "eager": "eager (measured faster)",
+                 "compiling": "compiling in the background", "undecided": "not run yet", "not compiled yet": "not run yet"}
         counts: dict[str, int] = {}
         for cg in graphs:
-            key = ("failed" if cg.eager else "skipped (cannot pay)" if cg.skipped else
-                   "eager (measured faster)" if cg.compiled and cg.use_eager else "compiled" if cg.compiled else
-                   "measuring" if cg._ready else "compiling in the background" if cg._queued else "not run yet")
+            key = label.get(cg.stage, cg.stage)
             counts[key] = counts.get(key, 0) + 1
         return ", ".join(f"{n} {k}" for k, n in counts.items())
 

@@ -79,3 +79,15 @@ def assert_outputs_match(session, outs: dict, reference: dict, rtol: float = 1e-
                      what=f"{name} ({s.origin})")
         n += 1
     return n
+
+
+def build_producer_llama(folder: Path) -> Path:
+    """`fastpipe build --style producer` of a one-layer random Llama (tp 2, seq 4) into folder/out: the
+    pipeline.json path (one input per slot, `x` and `x_slot1`, as furiosa-llm writes them)."""
+    from fastpipe.cli import main
+
+    ckpt = folder / "ckpt"
+    save_random_checkpoint(transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                                    num_key_value_heads=1, intermediate_size=64, vocab_size=64), ckpt, seed=0)
+    assert main(["build", str(ckpt), "--tp", "2", "--seq-len", "4", "-o", str(folder / "out"), "--style", "producer"]) == 0
+    return folder / "out" / "pipeline.json"

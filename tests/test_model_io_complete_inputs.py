@@ -106,14 +106,10 @@ def test_complete_inputs_keeps_what_is_given_and_leaves_untied_inputs_to_the_run
 
 def test_producer_built_llama_runs_from_its_model_inputs(tmp_path, capsys):
     """`fastpipe build --style producer` of a tiny Llama (tp 2): its integer inputs are read on both slots."""
-    transformers = pytest.importorskip("transformers")
-    from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
+    pytest.importorskip("transformers")
+    from tests.hf_models import build_producer_llama
 
-    ckpt = tmp_path / "ckpt"
-    save_random_checkpoint(transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                                                    num_key_value_heads=1, intermediate_size=64, vocab_size=64), ckpt, seed=0)
-    assert main(["build", str(ckpt), "--tp", "2", "--seq-len", "4", "-o", str(tmp_path / "out"), "--style", "producer"]) == 0
-    path = tmp_path / "out" / "pipeline.json"
+    path = build_producer_llama(tmp_path)
     q = read_pipeline(path)
     copies = [n for n in q.input_names if n.endswith("_slot1")]
     assert copies, q.input_names

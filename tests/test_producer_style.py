@@ -153,14 +153,12 @@ def test_build_save_in_producer_style(tmp_path):
 
 
 def test_cli_build_style_producer(tmp_path, capsys):
-    from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
     from fastpipe.cli import main
 
-    transformers = pytest.importorskip("transformers")
-    ckpt = tmp_path / "ckpt"
-    save_random_checkpoint(transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                                                    num_key_value_heads=1, intermediate_size=64, vocab_size=64), ckpt, seed=0)
-    assert main(["build", str(ckpt), "--tp", "2", "--seq-len", "4", "-o", str(tmp_path / "out"), "--style", "producer"]) == 0
+    pytest.importorskip("transformers")
+    from tests.hf_models import build_producer_llama
+
+    build_producer_llama(tmp_path)
     doc = json.loads((tmp_path / "out" / "pipeline.json").read_text())
     check_layout(doc, tmp_path / "out")
     assert main(["validate", str(tmp_path / "out" / "pipeline.json")]) == 0

@@ -92,7 +92,7 @@ def cmd_generate(args) -> int:
 
 def runs_compiled(session) -> bool:
     """Whether the session runs a compiled graph now (tiered: swapped in and kept after measuring)."""
-    return any(cg.compiled and not cg.use_eager and not cg.eager for cg in session._compiled().values())
+    return any(cg.stage == "compiled" for cg in session._compiled().values())
 
 
 def compile_line(decode, swap, n: int, seconds: float, first: float) -> str:

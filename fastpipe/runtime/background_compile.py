@@ -35,7 +35,6 @@ class BackgroundCompiler:
         self._current = None
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.compiled = 0               # jobs run to the end (compiled or failed)
 
     def submit(self, job) -> bool:
         """Queue `job`; False after shutdown (the caller keeps running eagerly)."""
@@ -104,7 +103,6 @@ class BackgroundCompiler:
             finally:
                 with self._cond:
                     self._current = None
-                    self.compiled += 1
                     self._cond.notify_all()
                 del job
 

@@ -158,6 +158,28 @@ class CompiledGraph:
             else "compiled as one graph"
 
     @property
+    def stage(self) -> str:
+        """Where the graph stands, as a key: "failed", "skipped" (the estimate), "eager" (measured faster),
+        "compiled", "measuring" (compiled in the background, not yet adopted), "compiling" (queued or under
+        way), "undecided" (tiered, before its second call) or "not compiled yet" (wait, before its first)."""
+        if self.eager:
+            return "failed"
+        if self.skipped is not None:
+            return "skipped"
+        if self.compiled:
+            return "eager" if self.use_eager else "compiled"
+        if self._ready:
+            return "measuring"
+        if self._queued:
+            return "compiling"
+        return "undecided" if self.background else "not compiled yet"
+
+    @property
+    def has_compiled(self) -> bool:
+        """Whether a compiled version exists (adopted or not): what RegionProcessor.tune can time."""
+        return self.compiled or self._ready
+
+    @property
     def settled(self) -> bool:
         """Whether this graph's way of running is final (compiled or eager, by measurement or estimate or
         failure): a CUDA graph captured now would not be outdated by a swap."""

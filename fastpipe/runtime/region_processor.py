@@ -244,10 +244,7 @@ class RegionProcessor:
                 else:
                     args = self._args(run, env)
                     cg = run.compiled
-                    if cg is not None and cg.device_type == "cuda" and cg._ready and not cg.compiled:
-                        cg.compiled = True
-                    if cg is not None and (cg.compiled or cg._ready) and not cg.eager and not cg.skipped \
-                            and run.device.type == "cpu":
+                    if cg is not None and cg.has_compiled and not cg.eager and run.device.type == "cpu":
                         t_compiled, t_eager = _per_call(lambda: cg.fn(*args)), _per_call(lambda: run.gm(*args))
                         cg.settle(t_compiled, t_eager, "at warm-up")
                     env.update(zip(r.writes, run.fn(*args)))
