@@ -25,14 +25,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _plain_tests_see_a_cpu_machine(request, monkeypatch):
     """A test not marked `cuda` states what happens on a CPU machine, so on a GPU machine it runs as
-    on one: the slots' default device is the CPU (fastpipe.runtime.device_map.default_device would
+    on one: the slots' default device is the CPU (fastpipe.runtime.binding.device_map.default_device would
     put `npu`/`cuda` slots on the GPU), and the processes it starts see no GPU. The GPU's own
     behaviour, the default placement there included, is the `cuda` tests' (run with `pytest -m cuda`).
     On a CPU machine the Triton interpreter runs the fused kernels on CPU tensors, so fuse="always" on
     CPU slots is accepted at load here too (the tests that launch them call tests/test_fusion.py's
     needs_cpu_kernels and skip: this process's kernels were built for the GPU)."""
     if torch.cuda.is_available() and request.node.get_closest_marker("cuda") is None:
-        from fastpipe.runtime import device_map, fuse
+        from fastpipe.runtime.binding import device_map
+        from fastpipe.runtime.passes import fuse
 
         monkeypatch.setattr(device_map, "default_device", lambda kind, idx: torch.device("cpu"))
         monkeypatch.setattr(fuse, "_cannot_launch", lambda device: None)

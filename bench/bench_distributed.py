@@ -70,7 +70,7 @@ def worker(example: str, repeat: int, warmup: int, out: str) -> None:
     import torch.distributed as dist
 
     import fastpipe
-    from fastpipe.runtime.dist_processor import shutdown
+    from fastpipe.runtime.processors.dist import shutdown
 
     sess = fastpipe.load(ROOT / "graphs" / example / "pipeline.json", processor="dist")
     x = _inputs(example)

@@ -17,7 +17,7 @@ blocks; --dim 0,1: the whole grid at dim 0, then again at dim 1, what gpu_check'
 matmul_reduce_scatter (a[i]: [M, K], b[i] = w_i.t(): [K, N], as a row-parallel linear layer):
   fused    fastpipe.kernels.matmul_reduce_scatter: one launch, every tile written once
   unfused  what the runtime runs without fusion (the cuda processor, members on one GPU;
-           fastpipe.runtime.unfused_path): each member's compute step, torch.mm, on its own
+           fastpipe.runtime.tuning.unfused_path): each member's compute step, torch.mm, on its own
            stream (the slots' lanes, overlapping), then the group's callable,
            fastpipe.comm.reduce_scatter (float32 fold, one cast, a fresh chunk per member),
            after all of them
@@ -61,7 +61,7 @@ by default the cores less two, at most 14), which fill Triton's on-disk cache, s
 calls read compiled kernels instead of compiling them one at a time on one core (each tuned row's
 "first_calls_s" sums them; the JSON's "compile_warmup" says what the warm-up did).
 
---profile runs each variant's timed form 5 more times under torch.profiler (fastpipe.runtime.kernel_profile):
+--profile runs each variant's timed form 5 more times under torch.profiler (bench.kernel_profile):
 per variant the kernels it launched, the time they were busy and the time they covered (below busy where
 the unfused members' streams overlapped), beside its measured time, so a missed target comes with where the
 time went (one fused kernel's own duration, or the unfused path's GEMMs and copies, their overlap and the
@@ -104,9 +104,10 @@ from fastpipe.kernels.fusion_rule import (  # noqa: E402
     table_from_rows)
 from fastpipe.kernels import calls, compile_pool, pick_config, tuned  # noqa: E402
 from fastpipe.kernels.autotune import candidates_for, tune_candidates  # noqa: E402,F401 (tune_candidates: scripts/)
-from fastpipe.runtime import kernel_profile, unfused_path  # noqa: E402
-from fastpipe.runtime.kernel_timing import capture_after_first_run as capture, replay_ms  # noqa: E402
-from fastpipe.runtime.kernel_timing import timed as bench  # noqa: E402  (median, p20, p80) in ms
+from bench import kernel_profile  # noqa: E402
+from fastpipe.runtime.tuning import unfused_path  # noqa: E402
+from fastpipe.runtime.tuning.kernel_timing import capture_after_first_run as capture, replay_ms  # noqa: E402
+from fastpipe.runtime.tuning.kernel_timing import timed as bench  # noqa: E402  (median, p20, p80) in ms
 from tests.tensor_compare import error_ratio  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -257,7 +258,7 @@ def check_variant(kernel, variant, outs, refs, mags, dtype, device) -> float:
 
 def variants(kernel, M, NK, n, dim, dtype, device, lanes=None):
     """(a, b, fns by variant, split, K_total, N) for one case, or None where the split is not
-    divisible by n; lanes: the unfused members' streams (fastpipe.runtime.unfused_path.on_lanes)."""
+    divisible by n; lanes: the unfused members' streams (fastpipe.runtime.tuning.unfused_path.on_lanes)."""
     if not splits_evenly(kernel, M, NK, n, dim):
         return None
     if kernel == "matmul_reduce_scatter":
@@ -329,7 +330,7 @@ def run_case(kernel, M, NK, n, dim, dtype, device, check: bool, peak: float | No
 
 
 def profile_variants(forms: dict, device) -> dict:
-    """--profile: per variant, the kernels a few runs of its timed form launch (fastpipe.runtime.kernel_profile:
+    """--profile: per variant, the kernels a few runs of its timed form launch (bench.kernel_profile:
     time busy, time covered, the top kernels); a variant the profiler fails on gets its "error", and the row
     stands."""
     out = {}
@@ -572,7 +573,7 @@ def main(argv=None) -> int:
                     help="start no case after this many seconds (the rest are listed as not_run in --json)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile each variant's kernels (torch.profiler over 5 runs of its timed form): the "
-                         "row's 'profile' and a line per variant (fastpipe/runtime/kernel_profile.py)")
+                         "row's 'profile' and a line per variant (bench/kernel_profile.py)")
     args = ap.parse_args(argv)
 
     if args.write_tuned:

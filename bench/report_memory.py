@@ -165,8 +165,8 @@ def sync(device: torch.device) -> None:
 
 def prime_capture_stream(device: torch.device) -> None:
     """Make the cuBLAS workspace of the stream every fastpipe capture uses, outside any capture (as each
-    capture does first: fastpipe.runtime.cuda_capture.prime_blas), so no graph's pool holds it."""
-    from fastpipe.runtime.cuda_capture import capture_stream, prime_blas
+    capture does first: fastpipe.runtime.cuda.capture.prime_blas), so no graph's pool holds it."""
+    from fastpipe.runtime.cuda.capture import capture_stream, prime_blas
 
     prime_blas(device, capture_stream(device))
     torch.cuda.synchronize(device)
@@ -249,9 +249,9 @@ def error_row(section: str, e: BaseException, **extra) -> dict:
 
 
 def device_inputs(sess, device: torch.device) -> dict:
-    """The seeded warm-up inputs (fastpipe.runtime.compile.warmup_inputs), placed on `device` where the
+    """The seeded warm-up inputs (fastpipe.runtime.compiling.compile.warmup_inputs), placed on `device` where the
     pipeline's steps read them there (the caller's own tensors)."""
-    from fastpipe.runtime.compile import warmup_inputs
+    from fastpipe.runtime.compiling.compile import warmup_inputs
 
     where = sess.program.input_devices()
     out = {}
@@ -452,7 +452,7 @@ def measure_run(path: Path, shape: str, label: str, kw: dict, device: torch.devi
         warnings.simplefilter("always")
         a_pre = allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        from fastpipe.runtime.cuda_processor import CudaProcessor
+        from fastpipe.runtime.processors.cuda import CudaProcessor
 
         # the cuda processor resets the peak counter when it is made (its memory_report's "since the processor
         # was made"), which would hide the upload's peak: not during this load
@@ -594,7 +594,7 @@ def print_last_logits_gain(rows: list[dict], cuda: bool) -> None:
 
 # ---------------------------------------------------------------------------------- section: pool
 def measure_pool(config: str, paths: dict[int, Path], shared: bool, args, device: torch.device) -> dict:
-    from fastpipe.runtime.graph_replay import GraphPool
+    from fastpipe.runtime.cuda.graph_replay import GraphPool
 
     settle(device)
     order = sorted(paths, reverse=True)                       # largest first

@@ -130,7 +130,7 @@ REPLAY, STREAMS = "fastpipe cuda, graph replay", "fastpipe cuda, eager streams"
 STATIC_STEP_GPU = "fastpipe static cache (the engine's decode step), region compiled + replay"
 STATIC_STEP_CPU = "fastpipe static cache (the engine's decode step), region compiled"
 # the same step on the processor of slots on several GPUs (a stream per slot; here both on one GPU) and on the
-# cpu processor (a thread per slot): each writes its caches in place too, in the step (fastpipe.runtime.bind)
+# cpu processor (a thread per slot): each writes its caches in place too, in the step (fastpipe.runtime.binding.bind)
 STATIC_STREAMS_GPU = "fastpipe static cache (the engine's decode step), cuda compiled + replay"
 STATIC_STREAMS_CPU = "fastpipe static cache (the engine's decode step), cpu processor eager"
 STATIC_STREAMS = {STATIC_STREAMS_GPU: STATIC_STEP_GPU, STATIC_STREAMS_CPU: STATIC_STEP_CPU}

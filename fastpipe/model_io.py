@@ -19,7 +19,7 @@ import torch
 
 from fastpipe import dtypes
 from fastpipe.errors import InputError, RunError
-from fastpipe.runtime.inputs import dense
+from fastpipe.runtime.binding.inputs import dense
 
 
 def flatten_args(args: Mapping[str, Any]) -> dict[str, torch.Tensor]:

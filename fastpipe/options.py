@@ -58,7 +58,7 @@ class RunOptions:
     "background" (tiered, the default): each graph runs eagerly from its first call while one background
     thread compiles it; the compiled graph is swapped in between calls once ready and, on the CPU,
     measured faster on real calls (the faster is kept); on the CPU a cheap estimate first skips graphs
-    whose compile cannot pay (fastpipe.runtime.compile_estimate). A CUDA graph is captured once every
+    whose compile cannot pay (fastpipe.runtime.compiling.compile_estimate). A CUDA graph is captured once every
     compile has settled. (The dist processor compiles at warm-up, every rank together; the reference
     processor, the oracle, stays eager.)
     "wait": compile at warm-up, before the first run returns (Session.compile; benchmarks).
@@ -67,20 +67,20 @@ class RunOptions:
     """A graph (or CUDA-graph capture) that cannot be compiled: "warn" runs it eagerly with a warning; "raise"."""
     cuda_graph: bool = True
     """cuda and region processors on one GPU: capture the whole run as one CUDA graph and replay it
-    (captured by Session.compile at warm-up, else at the second run; fastpipe.runtime.graph_replay)."""
+    (captured by Session.compile at warm-up, else at the second run; fastpipe.runtime.cuda.graph_replay)."""
     fuse: str = "auto"
     """matmul->reduce_scatter and all_gather->matmul as fused Triton kernels: "auto" (one CUDA device,
     where the fused kernel was measured faster: fastpipe.kernels.fusion_rule), "always", "off"
-    (fastpipe.runtime.fuse)."""
+    (fastpipe.runtime.passes.fuse)."""
     merge_shards: bool = True
     """region processor: matmuls the split cut into shards run as one GEMM again on one device
-    (fastpipe.runtime.region_passes)."""
+    (fastpipe.runtime.passes.region_passes)."""
     slot_ranks: Mapping[str, int] | None = None
     """dist processor: slot -> rank (default: contiguous blocks of slots)."""
     dist_timeout: float | None = None
     """dist processor: seconds any collective may wait (default 120)."""
     state_in_place: bool = False
-    """Outputs that are an input's updated version (a KV cache; fastpipe.runtime.state) are written into
+    """Outputs that are an input's updated version (a KV cache; fastpipe.runtime.binding.state) are written into
     the tensor given as that input, which run() returns as the output: the caller hands those inputs over."""
     alias_outputs: bool = False
     """A replayed run (cuda_graph) returns the graph's own output buffers, not clones: no copy out, and no
@@ -88,7 +88,7 @@ class RunOptions:
     graph_pool: of any session in the pool), which overwrites it. For a caller that consumes each run's
     outputs before the next (the serving engine's buckets). State outputs are the state buffers either way."""
     graph_pool: object = None
-    """A fastpipe.runtime.graph_replay.GraphPool: the CUDA graph shares this memory pool with the other
+    """A fastpipe.runtime.cuda.graph_replay.GraphPool: the CUDA graph shares this memory pool with the other
     sessions' graphs in it (a serving set's buckets: capture the largest first). Their replays take turns
     (one lock), so give sessions meant to run in parallel pools of their own. None: a private pool."""
 
@@ -114,7 +114,7 @@ class RunOptions:
             raise InputError(f"slot_ranks: expected processor=\"dist\", found processor=\"{self.processor}\"")
         pool = self.graph_pool      # a GraphPool (layer 5: known here by what it has, not imported)
         if pool is not None and not (callable(getattr(pool, "handle", None)) and hasattr(pool, "turns")):
-            raise InputError(f"graph_pool: expected a fastpipe.runtime.graph_replay.GraphPool or None, found "
+            raise InputError(f"graph_pool: expected a fastpipe.runtime.cuda.graph_replay.GraphPool or None, found "
                              f"{type(pool).__name__}")
         t = self.dist_timeout
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):

@@ -3,7 +3,7 @@
 Floating inputs are standard normal; booleans are fair coin flips; integer inputs are uniform in
 [0, 8) (small, so that index-like inputs such as token ids stay valid for any vocab of at least 8),
 and in [0, bound) where the pipeline uses the input as indices into something smaller (`bounds`,
-from fastpipe.runtime.index_bounds: e.g. token_type_ids into an embedding of 2 rows). Pass
+from fastpipe.runtime.binding.index_bounds: e.g. token_type_ids into an embedding of 2 rows). Pass
 --inputs for real data.
 
     random_inputs(p, seed)                               # every integer input in [0, 8)

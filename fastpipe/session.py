@@ -24,12 +24,12 @@ from fastpipe.format import Pipeline, read_pipeline
 from fastpipe.errors import InputError
 from fastpipe.lower import check_program, lower, with_regions
 from fastpipe.options import LoadOptions, RunOptions, choose_processor
-from fastpipe.runtime import fuse as fusion
-from fastpipe.runtime.bind import Binder, bind
-from fastpipe.runtime.device_map import resolve_device_map
-from fastpipe.runtime.graph_replay import GraphReplay
-from fastpipe.runtime.inputs import check_inputs
-from fastpipe.runtime.reference import ReferenceProcessor
+from fastpipe.runtime.passes import fuse as fusion
+from fastpipe.runtime.binding.bind import Binder, bind
+from fastpipe.runtime.binding.device_map import resolve_device_map
+from fastpipe.runtime.cuda.graph_replay import GraphReplay
+from fastpipe.runtime.binding.inputs import check_inputs
+from fastpipe.runtime.processors.reference import ReferenceProcessor
 from fastpipe.validate import Checked, validate
 from fastpipe.weights import WeightStore, default_store
 
@@ -39,12 +39,12 @@ class Session:
 
     `run_options` (fastpipe.options.RunOptions) choose the processor: "reference" (one step at
     a time, the oracle), "region" (every device's steps and the comm between them as one graph,
-    compiled with compile=True, fastpipe.runtime.region_processor), "cpu" (a thread per slot,
-    fastpipe.runtime.cpu_processor), "cuda" (a
+    compiled with compile=True, fastpipe.runtime.processors.region), "cpu" (a thread per slot,
+    fastpipe.runtime.processors.cpu), "cuda" (a
     stream per slot, CUDA-graph replay), "dist" (one process per rank under torchrun,
-    fastpipe.runtime.dist_processor: run() on every rank returns the outputs on rank 0 and {}
+    fastpipe.runtime.processors.dist: run() on every rank returns the outputs on rank 0 and {}
     elsewhere) or "auto" (choose_processor); whether fx supertasks are compiled, and the fusion
-    policy (decisions with reasons in `session.fusion`, fastpipe.runtime.fuse).
+    policy (decisions with reasons in `session.fusion`, fastpipe.runtime.passes.fuse).
     """
 
     def __init__(self, pipeline: Pipeline, *, device_map: Mapping[str, str] | None = None,
@@ -53,12 +53,12 @@ class Session:
         self.options = load_options or LoadOptions()
         self.run_options = opts = run_options or RunOptions()
         if opts.compile != "off":       # before anything reads inductor's cache folder (validation can)
-            from fastpipe.runtime.compile_cache import use_persistent_cache
+            from fastpipe.runtime.compiling.compile_cache import use_persistent_cache
 
             use_persistent_cache()
         self.store = store or default_store()
         self.checked: Checked = validate(pipeline, self.options, self.store)
-        from fastpipe.runtime.index_bounds import index_bounds
+        from fastpipe.runtime.binding.index_bounds import index_bounds
 
         self.index_bounds = index_bounds(pipeline, self.checked.graphs)   # integer inputs used as indices -> range
         self.pipeline = pipeline
@@ -67,7 +67,7 @@ class Session:
         fuse, local, off_reason = opts.fuse, None, fusion.FUSION_OFF
         self.rank_plan = None                     # dist: which rank runs which slot (dist_setup.RankPlan)
         if self.processor == "dist":
-            from fastpipe.runtime.dist_setup import make_plan
+            from fastpipe.runtime.processors.dist_setup import make_plan
 
             fusion.check_fuse_for_dist(opts.fuse)
             self.rank_plan = make_plan(pipeline, self.slot_devices, opts.slot_ranks)
@@ -76,15 +76,15 @@ class Session:
         elif opts.slot_ranks is not None:
             raise InputError(f"slot_ranks: expected processor=\"dist\", found processor=\"{self.processor}\"")
         if self.processor == "cuda":
-            from fastpipe.runtime.cuda_processor import check_cuda_devices
+            from fastpipe.runtime.processors.cuda import check_cuda_devices
 
             check_cuda_devices(self.slot_devices)
         region = self.processor == "region"
-        from fastpipe.runtime.state import state_pairs
+        from fastpipe.runtime.binding.state import state_pairs
 
-        self.state = state_pairs(pipeline)       # input -> its updated output (fastpipe.runtime.state)
+        self.state = state_pairs(pipeline)       # input -> its updated output (fastpipe.runtime.binding.state)
         self._in_place = self.state if opts.state_in_place else {}
-        # compile: "background" is tiered (fastpipe.runtime.compile); the dist processor's ranks compile at
+        # compile: "background" is tiered (fastpipe.runtime.compiling.compile); the dist processor's ranks compile at
         # warm-up together instead
         # (the reference processor, the oracle, stays eager unless asked for "wait": nothing swapped under it)
         self.compiles = opts.compile == "wait" or (opts.compile == "background" and self.processor != "reference")
@@ -104,9 +104,9 @@ class Session:
         check_program(program, self.checked)
         self.program = program
         self._input_devices = program.input_devices()
-        from fastpipe.runtime.bind import state_written
+        from fastpipe.runtime.binding.bind import state_written
 
-        # state outputs a step writes into its input tensor (cpu, cuda: fastpipe.runtime.bind; region: its own)
+        # state outputs a step writes into its input tensor (cpu, cuda: fastpipe.runtime.binding.bind; region: its own)
         self._steps_write = state_written(program, steps_in_place) if steps_in_place else frozenset()
         self.compile_report = None
         self._nothing_to_compile = False
@@ -121,11 +121,11 @@ class Session:
     def _make_processor(self):
         opts = self.run_options
         if self.processor == "cpu":
-            from fastpipe.runtime.cpu_processor import ThreadedProcessor
+            from fastpipe.runtime.processors.cpu import ThreadedProcessor
 
             return ThreadedProcessor(self.program)
         if self.processor == "cuda":
-            from fastpipe.runtime.cuda_processor import CudaProcessor
+            from fastpipe.runtime.processors.cuda import CudaProcessor
 
             proc = CudaProcessor(self.program, cuda_graph=opts.cuda_graph, compile_policy=opts.compile_policy,
                                  alias_outputs=opts.alias_outputs, state=self._in_place)
@@ -133,11 +133,11 @@ class Session:
                 proc.use_pool(opts.graph_pool)               # every chunk count's graph
             return proc
         if self.processor == "dist":
-            from fastpipe.runtime.dist_processor import DistProcessor
+            from fastpipe.runtime.processors.dist import DistProcessor
 
             return DistProcessor(self.program, self.checked, self.rank_plan, timeout_s=opts.dist_timeout)
         if self.processor == "region":
-            from fastpipe.runtime.region_processor import RegionProcessor
+            from fastpipe.runtime.processors.region import RegionProcessor
 
             return RegionProcessor(self.program, self.checked.groups, compile=self.compiles,
                                    compile_policy=opts.compile_policy, background=self.background,
@@ -164,7 +164,7 @@ class Session:
         queued (not until each is measured: that takes real calls). True when none is left pending."""
         import time
 
-        from fastpipe.runtime.background_compile import background
+        from fastpipe.runtime.compiling.background_compile import background
 
         end = None if timeout is None else time.monotonic() + timeout
         for cg in self._compiled().values():
@@ -224,7 +224,7 @@ class Session:
         """
         import time
 
-        from fastpipe.runtime.compile import CompileReport, warmup_inputs
+        from fastpipe.runtime.compiling.compile import CompileReport, warmup_inputs
 
         t = time.perf_counter()
         self.compile_report = CompileReport(0, 0.0, ())      # mark as started: run() must not recurse
@@ -260,7 +260,7 @@ class Session:
         if inputs is None:
             if any(r.replaying for r in self._graph_replays()):
                 return True
-            from fastpipe.runtime.compile import warmup_inputs
+            from fastpipe.runtime.compiling.compile import warmup_inputs
 
             return self._capture(warmup_inputs(self.pipeline))
         return self._capture(inputs, given=True)
@@ -278,7 +278,7 @@ class Session:
         if given:
             check_inputs(self.pipeline, inputs, self._input_devices)
             if self._in_place:
-                from fastpipe.runtime.state import check_state_inputs
+                from fastpipe.runtime.binding.state import check_state_inputs
 
                 check_state_inputs(inputs, self._in_place)
         capture = getattr(self._processor, "capture", None)
@@ -311,7 +311,7 @@ class Session:
         if self._in_place:
             if chunks != 1:
                 raise InputError(f"chunks: expected 1 with state_in_place (state is one batch), found {chunks}")
-            from fastpipe.runtime.state import write_back
+            from fastpipe.runtime.binding.state import write_back
 
             return write_back(inputs, self._run_checked(inputs, chunks, trace), self._in_place)
         return self._run_checked(inputs, chunks, trace)
@@ -332,16 +332,16 @@ class Session:
         if chunks == 1:
             check_inputs(self.pipeline, inputs, self._input_devices)
             if self._in_place:
-                from fastpipe.runtime.state import check_state_inputs
+                from fastpipe.runtime.binding.state import check_state_inputs
 
                 check_state_inputs(inputs, self._in_place)
             parts = [inputs]
         else:
-            from fastpipe.runtime.microbatch import check_chunked_inputs, split_chunks
+            from fastpipe.runtime.binding.microbatch import check_chunked_inputs, split_chunks
 
             parts = split_chunks(inputs, chunks, check_chunked_inputs(self.pipeline, inputs, chunks, self._input_devices))
         if self.index_bounds:        # indices out of range (CPU inputs): an InputError, not a failed or aborted kernel
-            from fastpipe.runtime.index_bounds import check_index_bounds
+            from fastpipe.runtime.binding.index_bounds import check_index_bounds
 
             check_index_bounds(inputs, self.index_bounds)
         results = self._run_parts(parts, chunks, events)
@@ -374,9 +374,9 @@ class Session:
         made or `runner.reset_peak_memory()`). With state_in_place, an updated state output written into
         the caller's tensor counts nothing: every one on the region processor, those a step writes by an
         in-place scatter on the cpu and cuda processors (`describe()` says how many; the rest are computed,
-        then copied in). fastpipe.runtime.stream_issue.format_memory_report prints it."""
+        then copied in). fastpipe.runtime.cuda.stream_issue.format_memory_report prints it."""
         from fastpipe.lower.lower import peak_bytes
-        from fastpipe.runtime.stream_issue import planned_memory
+        from fastpipe.runtime.cuda.stream_issue import planned_memory
 
         program = self.program
         written = (frozenset(self._in_place.values()) if self.processor == "region" and self._in_place
@@ -396,7 +396,7 @@ class Session:
         """Drop this session's steps, constants and decoded graphs (weights and compiled graphs nobody
         else holds are freed), and collect garbage (collect=False: the caller collects once, after closing
         several). A session dropped without close() frees them as its last reference goes too
-        (fastpipe.runtime.release), except what reference cycles of the caller's hold until the next
+        (fastpipe.runtime.binding.release), except what reference cycles of the caller's hold until the next
         collection. `with fastpipe.load(...) as session:` closes it at the end."""
         import dataclasses
 

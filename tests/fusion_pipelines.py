@@ -18,7 +18,7 @@ builder's static-cache write is), which the block reads before its last matmul:
     p_r = (h_r + cache_new_r.mean(0)) @ w2_r.t()
 
 The metadata pairs `cache_new_r` with `cache_r` (both slices of the original `cache` [S, H], its
-columns split by rank): a state (fastpipe.runtime.state).
+columns split by rank): a state (fastpipe.runtime.binding.state).
 
 The fx graph starts with an addmm on the gathered activation (all_gather->matmul) and ends in an
 mm feeding the reduce_scatter (matmul->reduce_scatter); `c` is a constant embedded in the payload

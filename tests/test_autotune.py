@@ -14,7 +14,7 @@ import torch
 from fastpipe.cli import main
 from fastpipe.kernels import (KernelConfig, all_gather_matmul, autotune, calls, fusion_rule, matmul_reduce_scatter,
                               tuned)
-from fastpipe.runtime import kernel_timing
+from fastpipe.runtime.tuning import kernel_timing
 from tests.examples import GRAPHS
 from tests.test_fusion import needs_cpu_kernels
 
@@ -255,11 +255,11 @@ def test_cli_tunes_the_pipelines_calls_and_merges_into_its_table(capsys, tmp_pat
 
 def test_fuse_auto_follows_the_points_fastpipe_tune_measured(capsys, tmp_path, monkeypatch):
     """The points `fastpipe tune` wrote decide fuse="auto" for the same pipeline (the exact shapes the fusion
-    pass asks about: fastpipe.runtime.fuse and KernelCall.rule_shape agree), quoting the file; without the
+    pass asks about: fastpipe.runtime.passes.fuse and KernelCall.rule_shape agree), quoting the file; without the
     table, float32 (never measured by the bench) is not fused."""
     needs_cpu_kernels()
     import fastpipe
-    from fastpipe.runtime import fuse
+    from fastpipe.runtime.passes import fuse
 
     monkeypatch.delenv("FASTPIPE_TUNED_CONFIGS", raising=False)
     sess = fastpipe.load(SEQ, fuse="off")

@@ -73,7 +73,7 @@ def test_memory_plan_rows_on_cpu(tmp_path):
     for g in gains:
         assert 0 < g["plan_activations"] < 1 and 0 < g["plan_peak"] < 1, g
     # ... and runs as the engine runs it, writing its caches into the caller's: the region processor in its
-    # graph, the cpu processor in the step that writes them (fastpipe.runtime.bind): neither plans them
+    # graph, the cpu processor in the step that writes them (fastpipe.runtime.binding.bind): neither plans them
     serving = {r["processor"]: r for r in rows if r["kind"] == "serving_prefill"}
     assert all(r["options"]["state_in_place"] for r in serving.values())
     assert serving["region"]["activation_bytes"] == serving["cpu"]["activation_bytes"]

@@ -40,7 +40,7 @@ def test_report_runtime_quick_cpu(tmp_path):
     assert v["best_vs_unsplit_compiled"] == pytest.approx(best["median_ms"] / base["median_ms"])
     assert doc["failed"] == [] and doc["not_run"] == []
     assert "best fastpipe" in r.stdout and "| fastpipe region compiled |" in r.stdout
-    # the engine's decode step on the cpu processor writes every cache in its step (fastpipe.runtime.bind)
+    # the engine's decode step on the cpu processor writes every cache in its step (fastpipe.runtime.binding.bind)
     import re
 
     said = re.search(r"(\d+) state tensors updated in place \((\d+) by an in-place write\)",

@@ -10,7 +10,7 @@ from torch import nn
 
 import fastpipe
 from fastpipe.errors import InputError
-from fastpipe.runtime.microbatch import split_chunks
+from fastpipe.runtime.binding.microbatch import split_chunks
 from tests.examples import GRAPHS
 
 PROCESSORS = ["reference", "cpu", "region"]

@@ -101,7 +101,7 @@ def test_run_fuse_always_runs_the_kernels_or_is_refused(capsys, monkeypatch):
     """--fuse always: the fused kernels run (on CPU tensors: the interpreter) and match the expected
     outputs; where they cannot run, loading refuses, one line naming the group, exit 2."""
     from fastpipe.kernels import mm_reduce_scatter_kernel as k
-    from fastpipe.runtime import fuse
+    from fastpipe.runtime.passes import fuse
 
     g = GRAPHS / "seq_parallel"
     args = ("run", g / "pipeline.json", "--inputs", g / "inputs.safetensors", "--check", g / "expected.safetensors",

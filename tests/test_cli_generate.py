@@ -208,7 +208,7 @@ def test_generate_starts_eagerly_and_the_engine_swaps_the_compiled_decode_step_i
         (cg,) = eng.decode._compiled().values()
         assert cg._queued or cg._ready, cg.state()      # called 11 times: queued at the second call
         assert eng.decode.wait_compiled(600), cg.state()
-        from fastpipe.runtime.background_compile import background
+        from fastpipe.runtime.compiling.background_compile import background
 
         for _ in range(4):          # measured against eager while nothing else compiles (the prefills queue too)
             assert background().wait_idle(600)

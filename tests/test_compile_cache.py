@@ -1,4 +1,4 @@
-"""The compile cache (fastpipe.runtime.compile.compiled_graph): one compiled graph per payload text,
+"""The compile cache (fastpipe.runtime.compiling.compile.compiled_graph): one compiled graph per payload text,
 device, policy and the IDENTITY of the graph's bound constants, held weakly.
 
 The pipelines here have one fx supertask, y = x * c, whose constant c lives in a param file next to
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import fastpipe
 from fastpipe.builder.assemble import Assembler
-from fastpipe.runtime import compile as comp
+from fastpipe.runtime.compiling import compile as comp
 from fastpipe.weights import WeightStore
 
 C_A = torch.tensor([1.0, 2.0, 3.0, 4.0])

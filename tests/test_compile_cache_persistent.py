@@ -1,4 +1,4 @@
-"""Compiled graphs persist between processes (fastpipe.runtime.compile_cache): a second process compiling
+"""Compiled graphs persist between processes (fastpipe.runtime.compiling.compile_cache): a second process compiling
 the same graph hits inductor's cache in fastpipe's per-torch-version folder; another graph misses; a
 TORCHINDUCTOR_CACHE_DIR the user set is left alone."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fastpipe.runtime import compile_cache
+from fastpipe.runtime.compiling import compile_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ _PROCESS = r"""
 import json, os, sys
 import torch
 from torch._dynamo.utils import counters
-from fastpipe.runtime.compile import CompiledGraph
+from fastpipe.runtime.compiling.compile import CompiledGraph
 
 
 def chain(n):

@@ -1,4 +1,4 @@
-"""The CUDA processor's issuing (fastpipe.runtime.stream_issue), on CPU through its host backend:
+"""The CUDA processor's issuing (fastpipe.runtime.cuda.stream_issue), on CPU through its host backend:
 frees, the one-pass k-chunk schedule, per-chunk environments, inference mode, fork/join on every
 device, traces, the memory report's plan; and the CudaProcessor's glue (one graph for a k-chunk
 run, traced runs eager) with CUDA stubbed out. The GPU half is tests/test_cuda_processor_gpu.py."""
@@ -13,9 +13,9 @@ import torch
 
 import fastpipe
 from fastpipe.errors import RunError
-from fastpipe.runtime.graph_replay import GraphPool
-from fastpipe.runtime.microbatch import split_chunks
-from fastpipe.runtime.stream_issue import (
+from fastpipe.runtime.cuda.graph_replay import GraphPool
+from fastpipe.runtime.binding.microbatch import split_chunks
+from fastpipe.runtime.cuda.stream_issue import (
     HostBackend,
     LaneRunner,
     chunk_order,
@@ -339,7 +339,7 @@ def test_cuda_backend_keeps_a_peer_read_tensor_for_the_stream_that_copies_it(mon
     peer copy on that GPU's current stream, so its memory waits for that stream (not the lane)."""
     from types import SimpleNamespace as NS
 
-    from fastpipe.runtime.stream_issue import CudaBackend
+    from fastpipe.runtime.cuda.stream_issue import CudaBackend
 
     current = {torch.device("cuda", 0): "stream-cuda:0-current"}
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[device])
@@ -431,7 +431,7 @@ class FakeReplay:
 
 @pytest.fixture
 def stubbed_cuda(monkeypatch):
-    from fastpipe.runtime import cuda_processor as cp
+    from fastpipe.runtime.processors import cuda as cp
 
     backends = []
 

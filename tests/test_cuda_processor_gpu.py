@@ -8,9 +8,9 @@ import torch
 
 import fastpipe
 from fastpipe.format import read_pipeline
-from fastpipe.runtime.cuda_processor import CudaProcessor
-from fastpipe.runtime.microbatch import split_chunks
-from fastpipe.runtime.stream_issue import CudaBackend
+from fastpipe.runtime.processors.cuda import CudaProcessor
+from fastpipe.runtime.binding.microbatch import split_chunks
+from fastpipe.runtime.cuda.stream_issue import CudaBackend
 from tests.examples import GRAPHS
 from tests.test_cuda_issue import recording_inference_mode, wrapped, write_chain
 from tests.test_processors import fresh_inputs
@@ -85,7 +85,7 @@ class NoWaitBackend(CudaBackend):
 
 def test_the_race_test_catches_a_missing_wait(monkeypatch):
     """Negative control: with event waits dropped, the slowed producer's consumer reads too early."""
-    import fastpipe.runtime.cuda_processor as cp
+    import fastpipe.runtime.processors.cuda as cp
 
     monkeypatch.setattr(cp, "CudaBackend", NoWaitBackend)
     name = "two_stage_skip"
@@ -223,7 +223,7 @@ def test_steps_run_in_inference_mode_and_outputs_are_plain_results(graph):
 def test_state_in_place_writes_the_callers_caches_and_replays_on_them(tmp_path, graph, compile):
     """A static-cache decode step (tp=2, both ranks' slots on cuda:0, a stream each) with
     state_in_place: each step writing a layer's caches scatters into the caller's tensors (index_put_,
-    fastpipe.runtime.bind), and the replay is captured on those very tensors (they are the graph's
+    fastpipe.runtime.binding.bind), and the replay is captured on those very tensors (they are the graph's
     buffers: nothing copied in or out). Three steps equal the copying reference on the CPU."""
     from fastpipe.builder.hf.build import build_hf
     from tests.hf_models import make_checkpoint

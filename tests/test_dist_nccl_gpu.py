@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from fastpipe import comm
-from fastpipe.runtime import dist_processor as dp
-from fastpipe.runtime import dist_setup
+from fastpipe.runtime.processors import dist as dp
+from fastpipe.runtime.processors import dist_setup
 
 # kind, params, reference (xs, devices -> this member's outputs)
 KINDS = [

@@ -1,4 +1,4 @@
-"""The dist processor (fastpipe.runtime.dist_processor, dist_setup): pipelines run by several
+"""The dist processor (fastpipe.runtime.processors.dist, dist_setup): pipelines run by several
 processes with torch.distributed (gloo on CPU here; NCCL in the test marked cuda).
 
 Multi-process tests launch `python -m torch.distributed.run --standalone --nproc-per-node N
@@ -33,8 +33,8 @@ from safetensors.torch import load_file, save_file
 import fastpipe
 from fastpipe.cli import dist as cli_dist
 from fastpipe.errors import InputError
-from fastpipe.runtime import dist_setup
-from fastpipe.runtime.dist_processor import _acc, _Group, _stacked, _unstacked, _unwire, _wire, reduce_dtype
+from fastpipe.runtime.processors import dist_setup
+from fastpipe.runtime.processors.dist import _acc, _Group, _stacked, _unstacked, _unwire, _wire, reduce_dtype
 
 GRAPHS = Path(__file__).resolve().parents[1] / "graphs"
 ROOT = GRAPHS.parent

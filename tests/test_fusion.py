@@ -52,7 +52,7 @@ def test_auto_on_one_cuda_device_follows_the_measured_rule(tmp_path, S, dtype, w
     shape, and the decision quotes the measurement (analysis only: no GPU needed to decide)."""
     from fastpipe import dtypes
     from fastpipe.kernels.fusion_rule import estimate, gpu_name
-    from fastpipe.runtime import fuse
+    from fastpipe.runtime.passes import fuse
     from tests.fusion_pipelines import sp_block
 
     D, H, n = 256, 512, 2
@@ -73,7 +73,7 @@ def test_auto_asks_about_the_gpu_the_members_share(tmp_path, monkeypatch):
     """fuse="auto" decides from the measurements of the GPU model the group runs on (fusion_rule.gpu_name
     of the members' device), and says where that GPU was not measured."""
     from fastpipe.kernels import fusion_rule
-    from fastpipe.runtime import fuse
+    from fastpipe.runtime.passes import fuse
     from tests.fusion_pipelines import sp_block
 
     asked = []
@@ -107,7 +107,7 @@ def test_forced_fusion_is_refused_at_load_where_the_kernels_cannot_run(monkeypat
     group and why (not a KernelUnavailable at the first run)."""
     from fastpipe.errors import InputError
     from fastpipe.kernels import mm_reduce_scatter_kernel as k
-    from fastpipe.runtime import fuse
+    from fastpipe.runtime.passes import fuse
 
     monkeypatch.setattr(fuse, "_cannot_launch", k.launch_problem)   # the real check (conftest eases it on GPUs)
     monkeypatch.setattr(k, "_mm_sum_kernel", k._mm_sum_kernel or object())   # triton present
@@ -125,7 +125,7 @@ def test_auto_warns_where_the_measured_winner_cannot_run(tmp_path, monkeypatch):
     """fuse="auto" on a CUDA device where the rule fuses, but triton is missing: unfused, with a
     warning that says so (never a silent fallback, nor a failure at the first run)."""
     from fastpipe.kernels import mm_reduce_scatter_kernel as k
-    from fastpipe.runtime import fuse
+    from fastpipe.runtime.passes import fuse
     from tests.fusion_pipelines import sp_block
 
     monkeypatch.setattr(fuse, "_cannot_launch", k.launch_problem)   # the real check (conftest eases it on GPUs)
@@ -178,7 +178,7 @@ def test_show_plan_reports_fusion(capsys):
     assert ('fusion: group "rs0" (matmul->reduce_scatter, supertasks 5, 6): not fused: the region processor compiles '
             "the matmul and the comm as one graph on one device (fuse='always' forces the kernels)") in out
     assert 'fusion: group "ag0" (all_gather->matmul' in out
-    from fastpipe.runtime import fuse
+    from fastpipe.runtime.passes import fuse
 
     sess = fastpipe.load(GRAPHS / "seq_parallel" / "pipeline.json", processor="cpu", compile="off")
     assert [d.reason for d in sess.fusion if d.group == "rs0"] == [
@@ -326,8 +326,8 @@ def test_fused_steps_keep_their_constants_on_the_step_device(tmp_path):
     fusion pass rewrites must be there too, and so must the all_gather->matmul weights the fused
     group uses. The "meta" device stands in for a GPU here; the decoded graphs stay on the CPU."""
     from fastpipe.lower import lower
-    from fastpipe.runtime import fuse
-    from fastpipe.runtime.bind import Binder, bind
+    from fastpipe.runtime.passes import fuse
+    from fastpipe.runtime.binding.bind import Binder, bind
 
     path = sp_block(tmp_path)
     sess = fastpipe.load(path, fuse="off", processor="reference")
@@ -353,7 +353,7 @@ def test_fused_steps_keep_their_constants_on_the_step_device(tmp_path):
 def test_members_on_several_devices_are_not_fused_even_when_forced(tmp_path):
     """The fused kernels take every participant's tensors on one device: 'always' leaves a group whose
     members sit on two devices unfused, with the reason, instead of failing at run time."""
-    from fastpipe.runtime import fuse
+    from fastpipe.runtime.passes import fuse
 
     sess = fastpipe.load(sp_block(tmp_path), fuse="off", processor="reference")
     devices = {"0": torch.device("cpu"), "1": torch.device("meta")}
@@ -366,7 +366,7 @@ def test_placing_a_rewritten_graph_moves_a_copy(tmp_path):
     decoded graph it shares them with stays where it was."""
     import torch.fx as fx
 
-    from fastpipe.runtime.fuse import _placed_graph
+    from fastpipe.runtime.passes.fuse import _placed_graph
 
     root = torch.nn.Module()
     root.register_buffer("c", torch.ones(3))
@@ -391,7 +391,7 @@ def test_shapes_of_a_graph_with_unbound_external_constants():
     import safetensors.torch
 
     from fastpipe.payload import decode_payload, encode_payload, unbound_external
-    from fastpipe.runtime.fuse import _annotate
+    from fastpipe.runtime.passes.fuse import _annotate
 
     c = torch.arange(8.0)
     gm = make_fx(lambda x: (x * c) @ torch.ones(8, 4))(torch.zeros(2, 8))
@@ -413,7 +413,7 @@ def test_shapes_of_a_graph_with_unbound_external_constants():
 @pytest.mark.parametrize("processor", ["cpu", "region"])
 def test_fused_steps_keep_their_state_written_in_place(tmp_path, processor):
     """A step that writes a state (a KV cache) and ends in the fused matmul keeps the in-place write
-    (fastpipe.runtime.bind; the fused rest graph is rewritten as the unfused step was): the session
+    (fastpipe.runtime.binding.bind; the fused rest graph is rewritten as the unfused step was): the session
     hands back the caller's cache tensor, updated, and equals the unfused copying path."""
     needs_cpu_kernels()
     path = sp_block(tmp_path, state=True)

@@ -1,4 +1,4 @@
-"""Every GEMM that reads a weight reaches the backend as F.linear's mm (fastpipe.runtime.gemm_layout).
+"""Every GEMM that reads a weight reaches the backend as F.linear's mm (fastpipe.runtime.binding.gemm_layout).
 
 A traced linear on a 3-d input decomposes into bmm(expand(x), expand(t(W))); on the CPU's bf16 bmm
 that copies the whole transposed weight per call (60x the linear's time at hidden 2048). The check
@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastpipe
-from fastpipe.runtime.gemm_layout import fold_batched_linears, folded_copy
+from fastpipe.runtime.binding.gemm_layout import fold_batched_linears, folded_copy
 from tests.hf_models import make_checkpoint
 
 aten = torch.ops.aten
@@ -110,7 +110,7 @@ def test_every_weight_gemm_of_a_decode_step_reaches_the_backend_as_mm_of_t_w(lla
     if processor == "cpu":
         # its threads do not see this thread's dispatch mode: run its bound steps (the same callables)
         # one at a time in this thread
-        from fastpipe.runtime.reference import ReferenceProcessor
+        from fastpipe.runtime.processors.reference import ReferenceProcessor
 
         run = ReferenceProcessor(sess.program).run
     inputs = {name: originals[s.origin][tuple(slice(a, b) for a, b in s.placements)].contiguous()

@@ -1,4 +1,4 @@
-"""fastpipe.runtime.graph_device: a graph traced on the CPU (factory ops carry device=cpu) runs on
+"""fastpipe.runtime.binding.graph_device: a graph traced on the CPU (factory ops carry device=cpu) runs on
 its step's device. The "meta" device stands in for a GPU here: a tensor made on the CPU cannot mix
 with meta tensors, as it cannot with CUDA ones. The GPU runs are the serving set's cuda tests
 (tests/test_serving_fixture.py, tests/test_graph_replay_gpu.py), which failed without this."""
@@ -7,8 +7,8 @@ import torch
 import torch.fx as fx
 
 import fastpipe
-from fastpipe.runtime.bind import Binder
-from fastpipe.runtime.graph_device import foreign_devices, placed_graph, retarget_devices
+from fastpipe.runtime.binding.bind import Binder
+from fastpipe.runtime.binding.graph_device import foreign_devices, placed_graph, retarget_devices
 from tests.examples import SERVING_SET
 
 aten = torch.ops.aten

@@ -1,7 +1,7 @@
-"""fastpipe's CUDA-graph capture lifecycle (fastpipe.runtime.graph_replay), on the CPU.
+"""fastpipe's CUDA-graph capture lifecycle (fastpipe.runtime.cuda.graph_replay), on the CPU.
 
 These tests check fastpipe's own logic, not CUDA: the torch.cuda pieces GraphReplay and
-fastpipe.runtime.cuda_capture use (CUDAGraph and its capture_begin/capture_end, stream, synchronize,
+fastpipe.runtime.cuda.capture use (CUDAGraph and its capture_begin/capture_end, stream, synchronize,
 empty_cache, graph_pool_handle, Stream, current_stream, Event, device) are replaced by small fakes. A fake capture records the "kernels" a function hands to `launch` instead
 of running them, and a fake replay runs them again on the tensors the capture saw, as a CUDA graph
 does; what the GPU does is tested by tests/test_graph_replay_gpu.py (marked `cuda`).
@@ -18,8 +18,8 @@ import torch
 import fastpipe
 from fastpipe.errors import CompileError, InputError
 from fastpipe.options import RunOptions
-from fastpipe.runtime import cuda_capture
-from fastpipe.runtime.graph_replay import GraphPool, GraphReplay
+from fastpipe.runtime.cuda import capture as cuda_capture
+from fastpipe.runtime.cuda.graph_replay import GraphPool, GraphReplay
 from tests.examples import GRAPHS
 
 CPU = torch.device("cpu")
@@ -410,7 +410,7 @@ def test_no_garbage_collection_inside_a_capture(fake, body_fails, collector_on):
 
 
 def test_graph_pool_option_is_checked():
-    with pytest.raises(InputError, match="^graph_pool: expected a fastpipe.runtime.graph_replay.GraphPool or None, "
+    with pytest.raises(InputError, match="^graph_pool: expected a fastpipe.runtime.cuda.graph_replay.GraphPool or None, "
                                          "found str$"):
         RunOptions(graph_pool="shared")
     pool = GraphPool()
@@ -436,10 +436,10 @@ def test_session_compile_captures_so_the_first_run_replays(fake):
 
 
 def test_a_dropped_session_with_a_captured_replay_frees_its_weights_at_once(fake):
-    """The replay holds its processor's run function weakly (fastpipe.runtime.release.weak_method), as the region
+    """The replay holds its processor's run function weakly (fastpipe.runtime.binding.release.weak_method), as the region
     and cuda processors make it: captured and replayed, nothing in it leads back to the processor, so dropping the
     session frees the weights with the collector off (a bound method here would keep them until a collection)."""
-    from fastpipe.runtime.release import weak_method
+    from fastpipe.runtime.binding.release import weak_method
     from fastpipe.weights import WeightStore
 
     store = WeightStore()
@@ -533,7 +533,7 @@ def test_end_pool_routing_ends_it_once_and_tolerates_a_torch_that_did(monkeypatc
 
 
 def test_static_buffers_are_normal_tensors_when_captured_under_inference_mode(fake):
-    """As fastpipe.runtime.inputs.to_device's copies: the graph's input buffers are normal tensors, so a
+    """As fastpipe.runtime.binding.inputs.to_device's copies: the graph's input buffers are normal tensors, so a
     compiled fn sees at capture the kind of tensor it saw at warm-up (and the caller's state tensors)."""
     r = GraphReplay(accumulating(fake, []), CPU, state={"c": "c_new"})
     caches = torch.zeros(2)
@@ -610,7 +610,7 @@ def test_replay_copies_in_and_out_one_launch_per_dtype_group(fake, foreach_launc
 def test_grouped_copies_leave_dtypes_the_one_launch_path_lacks_to_their_own_copy(foreach_launches):
     """uint32 (and the other dtypes CUDA's one-launch foreach copy lacks: it raises NotImplementedError there) is
     copied pair by pair; float32 beside it still goes as one group."""
-    from fastpipe.runtime.graph_replay import FOREACH_COPY_DTYPES, copy_grouped
+    from fastpipe.runtime.cuda.graph_replay import FOREACH_COPY_DTYPES, copy_grouped
 
     src = [torch.arange(4).to(torch.uint32), (torch.arange(3) + 7).to(torch.uint32), torch.randn(5), torch.randn(2)]
     dst = [torch.empty_like(t) for t in src]

@@ -226,7 +226,7 @@ def test_grouped_copies_on_a_gpu_give_what_the_function_gives(grouped):
     """A GraphReplay with bf16, int64 and float32 inputs (and a host tensor) and as many outputs: its copies in and out
     grouped per dtype (torch._foreach_copy_ on CUDA) or one per tensor, every replay's outputs equal the function run
     eagerly on the same inputs, and stay so after the next replay."""
-    from fastpipe.runtime.graph_replay import GraphReplay
+    from fastpipe.runtime.cuda.graph_replay import GraphReplay
 
     dev = torch.device("cuda:0")
 
@@ -261,11 +261,11 @@ def test_grouped_copies_on_a_gpu_give_what_the_function_gives(grouped):
 def test_a_dropped_session_frees_its_device_weights_at_once(processor, compile):
     """Captured and replayed, a session dropped without close() frees its weights on the GPU as it goes, with the
     collector off: no reference cycle holds its processor (the replay holds its run function weakly) or the
-    stitched graphs' weights (fastpipe.runtime.release)."""
+    stitched graphs' weights (fastpipe.runtime.binding.release)."""
     import gc
     import weakref
 
-    from fastpipe.runtime.cuda_capture import no_collection
+    from fastpipe.runtime.cuda.capture import no_collection
     from fastpipe.weights import WeightStore
 
     store = WeightStore()

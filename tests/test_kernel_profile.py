@@ -1,4 +1,4 @@
-"""fastpipe.runtime.kernel_profile: a call's kernels from torch.profiler's trace, as per-run totals (the fused-kernel
+"""bench.kernel_profile: a call's kernels from torch.profiler's trace, as per-run totals (the fused-kernel
 bench's --profile). The arithmetic on hand-made traces; the profiler itself on CPU ops here, on a replayed CUDA
 graph's kernels in the cuda test."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastpipe.runtime import kernel_profile
-from fastpipe.runtime.kernel_profile import summarize
+from bench import kernel_profile
+from bench.kernel_profile import summarize
 
 
 def _x(name, ts, dur, cat="kernel", tid=7):
@@ -74,8 +74,8 @@ def test_line_says_what_ran_and_what_failed():
 def test_gpu_profile_of_a_replayed_graph_sees_its_kernels():
     """On the GPU: the kernels of a replayed CUDA graph appear in the trace (CUPTI), one GEMM's at least, and the
     unfused members forked onto their own streams inside a graph are covered no longer than they are busy."""
-    from fastpipe.runtime import unfused_path
-    from fastpipe.runtime.kernel_timing import capture_after_first_run
+    from fastpipe.runtime.tuning import unfused_path
+    from fastpipe.runtime.tuning.kernel_timing import capture_after_first_run
 
     dev = torch.device("cuda:0")
     a = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16)

@@ -509,5 +509,5 @@ def test_imports_follow_the_layer_table():
 
 def test_the_layer_table_sees_an_upward_import():
     assert layer_of("fastpipe.validate.rules") == 2 and layer_of("fastpipe.validate.files") == 3
-    assert layer_of("fastpipe.runtime.fuse") > layer_of("fastpipe.lower.check") > layer_of("fastpipe.format.parse")
+    assert layer_of("fastpipe.runtime.passes.fuse") > layer_of("fastpipe.lower.check") > layer_of("fastpipe.format.parse")
     assert layer_of("fastpipe") == 7 and layer_of("fastpipe.cli.main") == 7

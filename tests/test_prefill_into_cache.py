@@ -21,7 +21,7 @@ from fastpipe.builder.hf.trace import (
     ATEN_OPS, attention_dims, call_targets, flat_signature, trace_fake, traced_forward,
 )
 from fastpipe.errors import BuildError
-from fastpipe.runtime.state import state_pairs
+from fastpipe.runtime.binding.state import state_pairs
 from tests.hf_models import CONFIGS, make_checkpoint, skeleton_params
 
 

@@ -38,7 +38,7 @@ def test_cpu_processor_equals_reference(name):
 
 
 def test_compile_path_equals_reference_and_is_shared():
-    from fastpipe.runtime.compile import clear_cache
+    from fastpipe.runtime.compiling.compile import clear_cache
 
     clear_cache()
     with warnings.catch_warnings():
@@ -56,7 +56,7 @@ def test_compile_path_equals_reference_and_is_shared():
 
 
 def test_compile_failure_warns_or_raises(monkeypatch):
-    from fastpipe.runtime import compile as comp
+    from fastpipe.runtime.compiling import compile as comp
 
     comp.clear_cache()
 
@@ -80,7 +80,7 @@ def test_compile_failure_warns_or_raises(monkeypatch):
 
 
 def test_recompile_is_warned():
-    from fastpipe.runtime.compile import CompiledGraph
+    from fastpipe.runtime.compiling.compile import CompiledGraph
 
     gm = torch.fx.symbolic_trace(lambda x: x * 2 + 1)
     cg = CompiledGraph(gm, "supertasks[\"9\"] on slot \"0\"", "warn")

@@ -46,7 +46,7 @@ def test_no_submodule_shares_a_public_name():
 
 
 def test_kernel_names_stay_functions_after_their_modules_load():
-    """fastpipe/runtime/fuse.py calls ``kernels.matmul_reduce_scatter(...)`` after ``from fastpipe import kernels``."""
+    """fastpipe/runtime/passes/fuse.py calls ``kernels.matmul_reduce_scatter(...)`` after ``from fastpipe import kernels``."""
     from fastpipe import kernels
 
     for info in pkgutil.iter_modules(kernels.__path__, prefix="fastpipe.kernels."):

@@ -1,4 +1,4 @@
-"""Integer inputs used as indices (fastpipe.runtime.index_bounds): the bound finder on hand-made FX
+"""Integer inputs used as indices (fastpipe.runtime.binding.index_bounds): the bound finder on hand-made FX
 graphs, random inputs that stay inside the bounds, and the check of a caller's inputs; end to end on
 a tiny BERT built with tp 2 and pp 2, whose token_type_ids index an embedding of 2 rows."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastpipe.cli import main
 from fastpipe.errors import InputError
 from fastpipe.format import read_pipeline
 from fastpipe.random_inputs import INT_HIGH, random_inputs
-from fastpipe.runtime.index_bounds import IndexBound, IndexUse, check_index_bounds, graph_index_uses, index_bounds
+from fastpipe.runtime.binding.index_bounds import IndexBound, IndexUse, check_index_bounds, graph_index_uses, index_bounds
 from tests.examples import GRAPHS, ROOT
 
 F = torch.nn.functional

@@ -1,4 +1,4 @@
-"""The passes over a stitched region graph (fastpipe.runtime.region_passes): CSE and shard merging.
+"""The passes over a stitched region graph (fastpipe.runtime.passes.region_passes): CSE and shard merging.
 
 Hand-built aten-level GraphModules check each rewrite against plain torch on the same weights
 (and against the module before the pass); the repo's examples and a builder-made tensor-parallel
@@ -11,7 +11,7 @@ from torch import fx
 
 import fastpipe
 from fastpipe.comm import local
-from fastpipe.runtime.region_passes import PassReport, cse, optimize
+from fastpipe.runtime.passes.region_passes import PassReport, cse, optimize
 from tests.examples import EXAMPLES, GRAPHS
 
 aten = torch.ops.aten
@@ -613,7 +613,7 @@ def _load_watching_merges(monkeypatch, path, **kw):
 
     gc.collect()
 
-    from fastpipe.runtime import region_passes
+    from fastpipe.runtime.passes import region_passes
 
     refs, alive_at_concat = [], []
     concat, optimize_ = region_passes.concat_weights, region_passes.optimize

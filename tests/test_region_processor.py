@@ -66,7 +66,7 @@ def test_inputs_with_odd_strides_on_size_one_dims_do_not_recompile(tmp_path):
     """A slice of a bigger tensor (run_model's slices of a KV cache) keeps the parent's stride on its
     size-1 batch dim, which .contiguous() leaves alone; the compiled region must not see it."""
     from fastpipe.builder.assemble import Assembler
-    from fastpipe.runtime.inputs import dense
+    from fastpipe.runtime.binding.inputs import dense
 
     a = Assembler("one_row")
     a.slot("0", "cpu:0")
@@ -91,7 +91,7 @@ def test_inputs_with_odd_strides_on_size_one_dims_do_not_recompile(tmp_path):
 def test_warm_up_keeps_the_faster_of_compiled_and_eager(monkeypatch, eager_faster):
     """For a region of a few tiny ops, a compiled call's fixed cost can exceed its gain: Session.compile
     times both on the warm-up inputs, keeps the faster and says which."""
-    from fastpipe.runtime import region_processor as rp
+    from fastpipe.runtime.processors import region as rp
 
     compiled_s, eager_s = (2.0, 1.0) if eager_faster else (1.0, 2.0)      # seconds a call, as measured
     timings = iter([compiled_s, eager_s])                                  # tune() times compiled, then eager
@@ -135,7 +135,7 @@ def test_compiled_once_per_process_per_distinct_region():
 
 
 def test_compile_failure_warns_or_raises(monkeypatch):
-    from fastpipe.runtime import compile as comp
+    from fastpipe.runtime.compiling import compile as comp
 
     def broken(fn, **kw):
         def run(*xs):
@@ -202,7 +202,7 @@ def test_a_region_failing_inside_a_capture_is_not_re_run_there(tmp_path, monkeyp
     its steps would issue them into the failed capture, and the located error would blame them."""
     from types import SimpleNamespace as NS
 
-    from fastpipe.runtime.region_processor import RegionProcessor
+    from fastpipe.runtime.processors.region import RegionProcessor
 
     def broken(*args):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -260,7 +260,7 @@ def test_auto_chooses_region_only_when_every_slot_shares_one_device():
 def test_regions_across_devices_run_their_cross_device_groups_by_the_reference():
     """Two 'devices' (both really the CPU): the pass cuts a region per run of one device's steps, and a
     group whose members span both is a region of its own, run by the comm reference."""
-    from fastpipe.runtime.region_processor import RegionProcessor
+    from fastpipe.runtime.processors.region import RegionProcessor
 
     ref = fastpipe.load(GRAPHS / "two_stage_skip" / "pipeline.json", processor="reference")
     program = with_regions(ref.program, {"0": "A", "1": "B"})
@@ -280,7 +280,7 @@ def test_regions_across_devices_run_their_cross_device_groups_by_the_reference()
 
 def test_opaque_groups_run_their_bound_callable():
     """Groups the fusion pass replaced (fused kernels) stay opaque calls inside the region graph."""
-    from fastpipe.runtime.region_processor import RegionProcessor
+    from fastpipe.runtime.processors.region import RegionProcessor
 
     ref = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="reference")
     program = with_regions(ref.program, {"0": "cpu", "1": "cpu"})

@@ -1,5 +1,5 @@
 """A session's weights are freed as its last reference goes, not at Python's next garbage collection
-(fastpipe.runtime.release): every torch.fx GraphModule is a reference cycle, and the region processor's
+(fastpipe.runtime.binding.release): every torch.fx GraphModule is a reference cycle, and the region processor's
 stitched graphs (and a compiled graph's module) hold the weights as buffers. Each test turns the collector
 off, drops the session and counts what the weight store still sees alive."""
 import contextlib
@@ -11,15 +11,15 @@ import torch
 
 import fastpipe
 from fastpipe.random_inputs import random_inputs
-from fastpipe.runtime import cuda_capture
-from fastpipe.runtime.release import drop_constants, release_with, weak_method
+from fastpipe.runtime.cuda import capture as cuda_capture
+from fastpipe.runtime.binding.release import drop_constants, release_with, weak_method
 from fastpipe.weights import WeightStore
 from tests.examples import GRAPHS
 
 
 @contextlib.contextmanager
 def no_collection():
-    """The collector off (fastpipe.runtime.cuda_capture.no_collection), after one collection of what earlier
+    """The collector off (fastpipe.runtime.cuda.capture.no_collection), after one collection of what earlier
     tests left."""
     gc.collect()
     with cuda_capture.no_collection():

@@ -292,7 +292,7 @@ def test_gpu_check_runs_several_stages_in_one_call_and_packs_past_eight_files(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "fused.json", "fusion_measured.json", "logs.tar.gz", "machine.txt", "results.jsonl", "summary.txt",
         "tune.json", "tuned_configs.json"]
-    # the fused stage's profiled second run: a line per variant of each row (fastpipe.runtime.kernel_profile)
+    # the fused stage's profiled second run: a line per variant of each row (bench.kernel_profile)
     assert re.search(r"^fused_profile: rc=0 in \d+ s of \d+ ", summary, re.M), summary
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:
         assert sorted(tar.getnames()) == ["fused.log", "fused_profile.log", "tests.log", "tune.log"]

@@ -29,7 +29,7 @@ def test_committed_set_generates_transformers_tokens_on_cpu():
 
 def test_engine_on_the_cpu_processor_writes_its_caches_in_the_steps(monkeypatch):
     """processor="cpu" (a thread per slot, as the cuda processor runs slots on several GPUs with a stream
-    each): every bucket's steps write the engine's caches themselves (fastpipe.runtime.bind), so no decode
+    each): every bucket's steps write the engine's caches themselves (fastpipe.runtime.binding.bind), so no decode
     step or prefill hands back a new cache for the session to copy in, and the tokens are transformers'."""
     from tests.test_state_in_place import spy_write_back
 

@@ -190,7 +190,7 @@ def test_null_group_collective_is_a_group_of_one(tmp_path):
 def test_memory_report_gives_the_plan_per_device():
     """Without the cuda processor the report is the plan: per device, its slots' peak intermediates plus
     their constants, as the Program computed them (measured peaks come with the cuda processor)."""
-    from fastpipe.runtime.stream_issue import format_memory_report
+    from fastpipe.runtime.cuda.stream_issue import format_memory_report
 
     sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json")
     report = sess.memory_report()

@@ -1,4 +1,4 @@
-"""In-place state (fastpipe.runtime.state): which outputs update which inputs, and run(...) with
+"""In-place state (fastpipe.runtime.binding.state): which outputs update which inputs, and run(...) with
 state_in_place=True writing them into the caller's tensors on every processor.
 
 The pipelines are static-cache decode steps of a tiny random Llama (GQA: with tp=2 each rank holds
@@ -18,7 +18,7 @@ from fastpipe.builder.hf.build import build_hf
 from fastpipe.errors import InputError
 from fastpipe.format import read_pipeline
 from fastpipe.options import RunOptions
-from fastpipe.runtime.state import state_pairs
+from fastpipe.runtime.binding.state import state_pairs
 from tests.hf_models import make_checkpoint
 
 B, M = 2, 16
@@ -207,7 +207,7 @@ def test_region_writes_the_caches_natively(static, family, tmp_path):
 def spy_write_back(monkeypatch) -> list:
     """Record, per run with state_in_place, whether each state output handed to write_back is its input
     tensor itself (written by the step: nothing to copy in); returns the list it appends to."""
-    from fastpipe.runtime import state as state_mod
+    from fastpipe.runtime.binding import state as state_mod
 
     seen = []
     real = state_mod.write_back
@@ -272,7 +272,7 @@ def test_a_state_input_read_by_two_steps_is_left_to_the_copy(static):
     run after the write, on another thread or stream): bind's state_writers leaves such a pair out."""
     import dataclasses
 
-    from fastpipe.runtime.bind import state_writers
+    from fastpipe.runtime.binding.bind import state_writers
 
     sess = fastpipe.load(static(2), processor="cpu", state_in_place=True, compile="off")
     program, pairs = sess.program, sess.state
@@ -362,7 +362,7 @@ def test_disjoint_views_of_one_buffer_are_accepted(static):
         assert out[sess.state[n]] is ins[n] and torch.equal(buf[k], want[sess.state[n]])
 
 
-# ---- the graph rewrite (fastpipe.runtime.region_state) ----------------------------------------------
+# ---- the graph rewrite (fastpipe.runtime.passes.region_state) ----------------------------------------------
 
 def _scatter_graph(read_view_after: bool, single: bool):
     """fx graph of (cache [4, 3], pos [1], v [1, 3]) -> cache.index_put((pos,), v) (and, unless single,
@@ -386,7 +386,7 @@ def test_write_in_place_only_where_every_read_of_the_state_comes_first(read_view
     """The scatter becomes index_put_ on the input only if nothing reads the input (or a view of it)
     after it: a view taken before and read after would see the new rows. Otherwise copy_rest=False leaves
     the graph as it was; copy_rest=True (the region processor) copies the update in at the end."""
-    from fastpipe.runtime.region_state import write_in_place, writes_in_place
+    from fastpipe.runtime.passes.region_state import write_in_place, writes_in_place
 
     out_idx = 0 if single else 1
     cache, pos, v = torch.zeros(4, 3), torch.tensor([2]), torch.ones(1, 3)

@@ -6,7 +6,7 @@ at cache_position = the row's length. Its logits must equal HF's forward of the 
 (prompt + new tokens) at the new positions, its returned caches must hold HF's keys/values at the
 written positions and the input's values everywhere else (garbage included: never read, never
 touched). Also: the flat signature with max_len and its refusals, the built file's metadata (what
-fastpipe.runtime.state pairs), the producer-style file, and the traced ops (ATEN_OPS).
+fastpipe.runtime.binding.state pairs), the producer-style file, and the traced ops (ATEN_OPS).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from fastpipe.builder.hf.trace import (
     ATEN_OPS, attention_dims, call_targets, flat_signature, trace_fake, traced_forward,
 )
 from fastpipe.errors import BuildError
-from fastpipe.runtime.state import state_pairs
+from fastpipe.runtime.binding.state import state_pairs
 from tests.hf_models import CONFIGS, make_checkpoint, skeleton_params
 
 B, M = 3, 12

@@ -17,10 +17,10 @@ import torch
 
 import fastpipe
 from fastpipe.errors import CompileError
-from fastpipe.runtime import compile as compile_mod
-from fastpipe.runtime import compile_estimate
-from fastpipe.runtime.background_compile import BackgroundCompiler, background
-from fastpipe.runtime.compile import MEASURED_CALLS, CompiledGraph
+from fastpipe.runtime.compiling import compile as compile_mod
+from fastpipe.runtime.compiling import compile_estimate
+from fastpipe.runtime.compiling.background_compile import BackgroundCompiler, background
+from fastpipe.runtime.compiling.compile import MEASURED_CALLS, CompiledGraph
 
 
 class _Chain(torch.nn.Module):
@@ -284,7 +284,7 @@ def test_compiled_calls_run_while_another_thread_fx_traces():
 def test_no_capture_until_the_compiles_settle():
     """GraphReplay.ready holds the capture back: calls run fn until ready() is true; the first call after
     tries to capture (on a CPU it fails, with the policy's warning: proof that it was tried)."""
-    from fastpipe.runtime.graph_replay import GraphReplay
+    from fastpipe.runtime.cuda.graph_replay import GraphReplay
 
     calls = []
     replay = GraphReplay(lambda inputs: calls.append(1) or {"y": inputs["x"] + 1}, torch.device("cpu"))
@@ -337,7 +337,7 @@ def test_the_cli_does_not_wait_for_a_compile_in_the_background(monkeypatch):
     import os
     import sys
 
-    from fastpipe.runtime import background_compile
+    from fastpipe.runtime.compiling import background_compile
 
     import importlib
 
@@ -359,4 +359,4 @@ def test_the_cli_does_not_wait_for_a_compile_in_the_background(monkeypatch):
     with pytest.raises(SystemExit):
         cli_main.entry()
     assert exits == [0]
-    assert "fastpipe.runtime.background_compile" in sys.modules
+    assert "fastpipe.runtime.compiling.background_compile" in sys.modules

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fastpipe
-from fastpipe.runtime.background_compile import background
+from fastpipe.runtime.compiling.background_compile import background
 from tests.examples import GRAPHS
 
 pytestmark = pytest.mark.cuda

@@ -1,4 +1,4 @@
-"""fastpipe.runtime.inputs.to_device: device copies are normal tensors, even under inference_mode.
+"""fastpipe.runtime.binding.inputs.to_device: device copies are normal tensors, even under inference_mode.
 
 Why it matters (checked below with torch.compile itself): Dynamo guards on whether a tensor is an
 inference tensor. A warm-up whose inputs were copied to the GPU under inference_mode (inference
@@ -9,8 +9,10 @@ args), and GraphReplay's static buffers are normal tensors too.
 """
 import torch
 
-from fastpipe.runtime import execute, region_processor, stream_issue
-from fastpipe.runtime.inputs import to_device
+from fastpipe.runtime import execute
+from fastpipe.runtime.cuda import stream_issue
+from fastpipe.runtime.processors import region as region_processor
+from fastpipe.runtime.binding.inputs import to_device
 from fastpipe.torch_compat import unique_graphs
 
 

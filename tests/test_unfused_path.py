@@ -1,11 +1,11 @@
-"""fastpipe.runtime.unfused_path: the runtime's unfused path for a fusable call (the baseline the bench and
+"""fastpipe.runtime.tuning.unfused_path: the runtime's unfused path for a fusable call (the baseline the bench and
 `fastpipe tune` time the fused kernels against) computes what the fused kernel does, checked against plain
 float32 torch; and KernelCall.rule_shape names the whole product as fastpipe.kernels.fusion_rule measures it."""
 import pytest
 import torch
 
 from fastpipe.kernels.calls import KernelCall
-from fastpipe.runtime import unfused_path
+from fastpipe.runtime.tuning import unfused_path
 
 
 def _randn(*shape, g):

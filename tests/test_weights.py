@@ -589,7 +589,7 @@ def test_sessions_over_one_store_share_device_constants(tmp_path):
     """bind: two sessions' constants on one device are the same objects (so their compiled graphs,
     keyed on the constants' identity, are shared too)."""
     import fastpipe
-    from fastpipe.runtime.bind import Binder
+    from fastpipe.runtime.binding.bind import Binder
     from tests.examples import GRAPHS
 
     store = WeightStore()

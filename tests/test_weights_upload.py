@@ -216,7 +216,7 @@ def test_no_pinned_memory_warns_and_copies_pageable(wfile, monkeypatch):
 
 
 def test_binder_prefetch_loads_a_devices_constants_together(deferred):
-    from fastpipe.runtime.bind import Binder
+    from fastpipe.runtime.binding.bind import Binder
     from tests.examples import GRAPHS
 
     store = WeightStore()
@@ -235,7 +235,7 @@ def test_binder_prefetch_loads_a_devices_constants_together(deferred):
 
 
 def test_bind_prefetches_each_devices_constants(monkeypatch):
-    from fastpipe.runtime import bind as bind_mod
+    from fastpipe.runtime.binding import bind as bind_mod
     from tests.examples import GRAPHS
 
     calls = []

@@ -33,7 +33,7 @@ def compile_mode(args) -> str:
 
 
 def device_map_of(args):
-    from fastpipe.runtime.device_map import parse_device_map_option
+    from fastpipe.runtime.binding.device_map import parse_device_map_option
 
     return parse_device_map_option(args.device_map) if getattr(args, "device_map", None) else None
 

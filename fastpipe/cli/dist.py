@@ -1,6 +1,6 @@
 """`fastpipe run` across processes: launching workers (`--nproc N`) and being one rank
 (torchrun-launched, `--processor dist`); the rank plan, process groups and the dist processor
-itself are in fastpipe.runtime.dist_setup and fastpipe.runtime.dist_processor."""
+itself are in fastpipe.runtime.processors.dist_setup and fastpipe.runtime.processors.dist."""
 from __future__ import annotations
 
 import os
@@ -10,8 +10,8 @@ import torch
 from fastpipe.cli.common import (check_counts, check_writable, device_map_of, load_options, read_tensors,
                                  reading_safetensors, report_results, run_options)
 from fastpipe.errors import FastpipeError, InputError
-from fastpipe.runtime.dist_setup import check_slot_ranks, env_world
-from fastpipe.runtime.microbatch import repeat_chunks
+from fastpipe.runtime.processors.dist_setup import check_slot_ranks, env_world
+from fastpipe.runtime.binding.microbatch import repeat_chunks
 
 
 def parse_slot_ranks_option(text: str) -> dict[str, str]:
@@ -137,8 +137,8 @@ def _die(rank: int, msg: str, code: int, args, internal: bool = False) -> int:
 def _precheck(args, world: int) -> None:
     """What the parent of --nproc can refuse before starting any worker (exit 2, one line)."""
     from fastpipe.format import read_pipeline
-    from fastpipe.runtime.device_map import resolve_device_map
-    from fastpipe.runtime.fuse import check_fuse_for_dist
+    from fastpipe.runtime.binding.device_map import resolve_device_map
+    from fastpipe.runtime.passes.fuse import check_fuse_for_dist
     from fastpipe.validate import validate_structure
 
     device_map = device_map_of(args)

@@ -180,7 +180,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", metavar="FILE",
                    help="write a Chrome/Perfetto trace of the last timed run (a lane per slot; per region for the "
                         "region processor)")
-    # -- multi-process runs (fastpipe.cli.dist, fastpipe.runtime.dist_setup, docs/distributed.md)
+    # -- multi-process runs (fastpipe.cli.dist, fastpipe.runtime.processors.dist_setup, docs/distributed.md)
     r.add_argument("--nproc", type=int, metavar="N",
                    help="run N processes on this machine through torch's elastic launcher (like torchrun)")
     r.add_argument("--slot-ranks", metavar="MAP", help="slot -> rank, e.g. 0=0,1=0,2=1,3=1 (default: contiguous blocks)")
@@ -337,7 +337,7 @@ def entry() -> None:
     import os
 
     code = main()
-    compiler = sys.modules.get("fastpipe.runtime.background_compile")
+    compiler = sys.modules.get("fastpipe.runtime.compiling.background_compile")
     if compiler is not None and compiler.background().busy():
         compiler.background().shutdown()
         sys.stdout.flush()

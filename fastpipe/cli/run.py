@@ -31,7 +31,7 @@ def cmd_run(args) -> int:
     from fastpipe.format import read_pipeline
     from fastpipe.model_io import complete_inputs
     from fastpipe.random_inputs import random_inputs
-    from fastpipe.runtime.microbatch import repeat_chunks
+    from fastpipe.runtime.binding.microbatch import repeat_chunks
     from fastpipe.session import Session
 
     if dist.wants_dist(args):      # multi-process: torchrun-launched, --nproc or --processor dist
@@ -81,7 +81,7 @@ def cmd_run(args) -> int:
     for d in sess.fusion:              # what the fusion policy (--fuse) did with each candidate group, and why
         print("fusion: " + d.line())
     if sess.processor == "cuda":       # measured peak GPU memory next to the plan's prediction
-        from fastpipe.runtime.stream_issue import format_memory_report
+        from fastpipe.runtime.cuda.stream_issue import format_memory_report
 
         for line in format_memory_report(sess.memory_report()):
             print(f"memory: {line}")

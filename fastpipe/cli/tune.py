@@ -5,7 +5,7 @@ Loads the pipeline with every fusable group fused (fuse="always", eager, no CUDA
 seeded random inputs while recording the fused-kernel calls (fastpipe.kernels.calls), compiles every
 (call, config) it will time in --compile-workers processes (fastpipe.kernels.compile_pool), then, call by
 call, tunes it (fastpipe.kernels.autotune.tune) and times its fused kernel under the config the new table
-gives it against the runtime's unfused path (fastpipe.runtime.kernel_timing.fusion_point). After each call
+gives it against the runtime's unfused path (fastpipe.runtime.tuning.kernel_timing.fusion_point). After each call
 it writes the table pick_config reads (fastpipe.kernels.tuned) and fuse="auto" consults
 (fastpipe.kernels.fusion_rule: its "fusion" points) to --out, merged with what that file held (or, for a
 new file, with the table in use now): a run interrupted (Ctrl-C, a time limit's SIGINT) keeps every call it
@@ -33,7 +33,7 @@ def cmd_tune(args) -> int:
     from fastpipe.atomic import write_text
     from fastpipe.kernels import autotune, compile_pool, tuned
     from fastpipe.kernels.mm_reduce_scatter_kernel import interpreting
-    from fastpipe.runtime import kernel_timing
+    from fastpipe.runtime.tuning import kernel_timing
 
     out = args.out or os.environ.get("FASTPIPE_TUNED_CONFIGS")
     if not out:
@@ -174,7 +174,7 @@ def _fusion_point(call, table: dict) -> dict | None:
     import datetime
 
     from fastpipe.kernels import autotune
-    from fastpipe.runtime import kernel_timing
+    from fastpipe.runtime.tuning import kernel_timing
 
     config = autotune.config_in(table, call)
     try:

@@ -1,6 +1,6 @@
 """Comm between slots that share one device, as plain tensor code a compiler can see through.
 
-The region processor (fastpipe.runtime.region_processor) stitches the compute of every slot on
+The region processor (fastpipe.runtime.processors.region) stitches the compute of every slot on
 one device into one graph; the comm groups between those slots become these functions. Each
 returns the same values as the reference (fastpipe.comm.reference) - every member's output, in
 member order, concatenated as the group's writes - but without the reference's copies:

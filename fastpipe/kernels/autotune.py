@@ -10,7 +10,7 @@ own shapes (a Llama's hidden 4096 against its MLP's 14336, split n ways) are tun
     doc, kept = merged_table(base_doc, results)               # -> FASTPIPE_TUNED_CONFIGS
 
 ``tune`` times the call under every candidate (``tune_candidates``, the bench's own) and under the
-heuristic's config, with the timer it is given (fastpipe.runtime.kernel_timing's: each a replayed CUDA
+heuristic's config, with the timer it is given (fastpipe.runtime.tuning.kernel_timing's: each a replayed CUDA
 graph as the runtime runs it; a call whose capture fails is timed eagerly, and says so). It ranks
 them with short runs, times the best and the heuristic's again in full, and checks the best one's
 outputs against the heuristic's. ``merged_table`` keeps a config
@@ -164,7 +164,7 @@ def configs_for(call: KernelCall, configs: list[KernelConfig] | None = None) -> 
 def tune(call: KernelCall, timer, *, configs: list[KernelConfig] | None = None) -> Tuned:
     """Time ``call`` (fresh operands of its shapes and strides, on its device) under each config (default
     ``candidates_for``) and the heuristic's; ``timer(config, fn, device, quick) -> (ms, timing)``
-    (fastpipe.runtime.kernel_timing.time_config: replayed CUDA graphs). ValueError where the call cannot
+    (fastpipe.runtime.tuning.kernel_timing.time_config: replayed CUDA graphs). ValueError where the call cannot
     be tuned (``KernelCall.launch``) or the heuristic's config could not run."""
     from fastpipe.kernels.fusion_rule import table_device
 
@@ -217,7 +217,7 @@ def merged_table(base: dict | None, results: list[Tuned], min_gain: float = MIN_
 
 
 def with_fusion_points(doc: dict, points: list[dict]) -> dict:
-    """The table with ``points`` (fastpipe.runtime.kernel_timing.fusion_point's) in its "fusion" list, in place
+    """The table with ``points`` (fastpipe.runtime.tuning.kernel_timing.fusion_point's) in its "fusion" list, in place
     of the points it had for the same GPU and shape (fastpipe.kernels.fusion_rule.point_key), sorted."""
     from fastpipe.kernels.fusion_rule import point_key
 

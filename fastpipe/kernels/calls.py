@@ -52,7 +52,7 @@ class KernelCall:
 
     def rule_shape(self) -> tuple[int, int, int, int]:
         """(M, N, K_total, n) as fastpipe.kernels.fusion_rule measures the group (the bench's terms, which
-        fastpipe.runtime.fuse asks in): the whole product [M, K_total] @ [K_total, N]; for
+        fastpipe.runtime.passes.fuse asks in): the whole product [M, K_total] @ [K_total, N]; for
         matmul_reduce_scatter K_total sums the members' K, for all_gather_matmul N sums their widths."""
         n = len(self.a)
         widths = sum(s[1] for s, _ in self.b)

@@ -3,7 +3,7 @@
     program = lower(validate_structure(pipeline))
 
 Each step reads its supertask's inputs and writes its outputs (for a comm step: its member's
-share); binding (fastpipe.runtime.bind) and passes (fastpipe.runtime.fuse) may change both.
+share); binding (fastpipe.runtime.binding.bind) and passes (fastpipe.runtime.passes.fuse) may change both.
 
 Ordering. ``checked.order`` is ONE dependency order of the merged nodes (a compute
 supertask, or a whole comm group counted as one node). Every slot's list is that order
@@ -30,7 +30,7 @@ outputs (shape x itemsize), the running total is compared with the maximum, then
 step's ``frees`` are released. Pipeline inputs and constants are not counted (they are
 owned by the caller and the weight store); pipeline outputs are (they are produced here
 and kept), except, in ``peak_bytes(p, steps, in_place=...)``, outputs a processor writes
-into their inputs (state in place: fastpipe.runtime.region_state, fastpipe.runtime.bind). ``constant_bytes[slot]``: the bytes of the distinct constants read on the slot.
+into their inputs (state in place: fastpipe.runtime.passes.region_state, fastpipe.runtime.binding.bind). ``constant_bytes[slot]``: the bytes of the distinct constants read on the slot.
 """
 from __future__ import annotations
 

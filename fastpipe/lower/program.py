@@ -2,8 +2,8 @@
 
 A Program is the lowered form of a validated pipeline (DESIGN.md: the compiler/processor
 split) and the one thing every processor executes. ``lower`` makes it as pure data;
-``fastpipe.runtime.bind`` fills in the callables and constants (a *bound* Program); passes
-such as fusion (fastpipe.runtime.fuse) rewrite it; the checker (fastpipe.lower.check) proves
+``fastpipe.runtime.binding.bind`` fills in the callables and constants (a *bound* Program); passes
+such as fusion (fastpipe.runtime.passes.fuse) rewrite it; the checker (fastpipe.lower.check) proves
 on CPU, without running anything, that the Program as it will run cannot hang and reads
 nothing before it is made or after it is freed.
 
@@ -52,7 +52,7 @@ class Step:
     frees: tuple[str, ...] = ()                  # tensors dead after this step
     reads: tuple[str, ...] = ()                  # tensor names read, in argument order
     writes: tuple[str, ...] = ()                 # tensor names written, in result order
-    # -- bound (fastpipe.runtime.bind); not part of equality
+    # -- bound (fastpipe.runtime.binding.bind); not part of equality
     device: Any = field(default=None, compare=False)                  # torch.device the step runs on
     constants: Mapping[str, Any] = field(default_factory=dict, compare=False)   # read name -> bound tensor
     fn: Callable | None = field(default=None, compare=False, repr=False)       # compute steps

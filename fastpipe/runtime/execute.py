@@ -18,7 +18,7 @@ import torch
 from fastpipe import comm
 from fastpipe.errors import FastpipeError, RunError, key_path
 from fastpipe.lower.program import Program, Step
-from fastpipe.runtime.inputs import to_device
+from fastpipe.runtime.binding.inputs import to_device
 from fastpipe.torch_compat import profiler_enabled
 
 

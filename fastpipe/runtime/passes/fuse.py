@@ -22,7 +22,7 @@ tensors, so the checker proves the Program that really runs. Slots, steps and wa
 change.
 
 The rewritten graphs live on their step's device: they take their constants (get_attr buffers)
-from the bound step's graph (fastpipe.runtime.bind placed it there), never from the decoded CPU
+from the bound step's graph (fastpipe.runtime.binding.bind placed it there), never from the decoded CPU
 graph; an all_gather->matmul group's weights are moved to the group's device.
 
 Policy: "off"; "auto" (default): fuse when every member is on one CUDA device and the fused
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from fastpipe.runtime.graph_device import constants_on, retarget_devices
+from fastpipe.runtime.binding.graph_device import constants_on, retarget_devices
 
 aten = torch.ops.aten
 VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
@@ -380,7 +380,7 @@ def _rewrite_graph(gm: fx.GraphModule, *, suffix=None, prefix=None, root=None) -
 
 def _graph_fn(gm: fx.GraphModule, binder, sid: str, device):
     if binder.compile:
-        from fastpipe.runtime.compile import compiled_graph
+        from fastpipe.runtime.compiling.compile import compiled_graph
 
         gm = compiled_graph(gm.code, gm, device, f"supertasks[\"{sid}\"] (fused rest)", binder.compile_policy,
                             binder.background)
@@ -398,7 +398,7 @@ def _renamed(names: tuple[str, ...], old: str, new: tuple[str, ...]) -> tuple[st
 
 def _placed_graph(gm: fx.GraphModule, device) -> fx.GraphModule:
     """The rewritten graph with its constants on the step's device. Its root was the bound step's
-    graph (fastpipe.runtime.bind put that on the device), so this is normally `gm` itself; anything
+    graph (fastpipe.runtime.binding.bind put that on the device), so this is normally `gm` itself; anything
     still elsewhere is moved on a deep copy, as bind does: `.to()` on the graph itself would move
     the tensors it shares with the decoded graph. Its nodes are its own (copied from the decoded
     graph's, arange(device=cpu) and all), so their device arguments are retargeted in place."""
@@ -482,8 +482,8 @@ def apply(program, decisions: list[Decision], checked, binder):
             root = dg.gm
         gm = _rewrite_graph(dg.gm, suffix=suffix and suffix[:2], prefix=prefix and prefix[:2], root=root)
         gm = _placed_graph(gm, st.device)
-        if binder.fold_gemms:             # as bind made the unfused step (fastpipe.runtime.gemm_layout)
-            from fastpipe.runtime.gemm_layout import fold_batched_linears
+        if binder.fold_gemms:             # as bind made the unfused step (fastpipe.runtime.binding.gemm_layout)
+            from fastpipe.runtime.binding.gemm_layout import fold_batched_linears
 
             fold_batched_linears(gm)
         reads, writes = st.reads, st.writes
@@ -495,7 +495,7 @@ def apply(program, decisions: list[Decision], checked, binder):
             writes = tuple(w for w in writes if w != x) + (a_name, b_name)
         state = [(reads.index(a), writes.index(b)) for a, b in binder.in_place_of.get(sid, ()) if a in reads and b in writes]
         if state:                         # as bind made the unfused step: state updates written in place
-            from fastpipe.runtime.region_state import write_in_place
+            from fastpipe.runtime.passes.region_state import write_in_place
 
             write_in_place(gm, state, copy_rest=False)
         steps[slot][i] = dataclasses.replace(st, fn=_graph_fn(gm, binder, sid, st.device), graph=gm, reads=reads,

@@ -1,5 +1,5 @@
 """Timing a kernel call as the runtime runs it: a replayed CUDA graph (``fastpipe tune``, the fused-kernel
-bench's --tune). Here, not in fastpipe.kernels, because it captures through fastpipe.runtime.cuda_capture."""
+bench's --tune). Here, not in fastpipe.kernels, because it captures through fastpipe.runtime.cuda.capture."""
 from __future__ import annotations
 
 import statistics
@@ -51,8 +51,8 @@ def timed(fn, device: torch.device, quick: bool = False) -> tuple[float, float, 
 def capture_after_first_run(fn, device: torch.device):
     """fn captured as one CUDA graph: (graph, the outputs its replays rewrite). fn runs once first on a side
     stream (Triton compiles, the allocator settles), as CUDA graphs need; the capture is the runtime's own
-    (fastpipe.runtime.cuda_capture: a failed one raises, leaving the stream and allocator as they were)."""
-    from fastpipe.runtime.cuda_capture import capture
+    (fastpipe.runtime.cuda.capture: a failed one raises, leaving the stream and allocator as they were)."""
+    from fastpipe.runtime.cuda.capture import capture
 
     device = torch.device(device)
     if device.index is None:                      # one capture stream per device, keyed by its name
@@ -74,10 +74,10 @@ def time_config(config, fn, device: torch.device, quick: bool) -> tuple[float, s
 def fusion_point(call, config, date: str, stats=None) -> dict:
     """fastpipe.kernels.fusion_rule's point for one recorded fused-kernel call (fastpipe.kernels.calls.KernelCall)
     on its device, for the tuned table's "fusion" list: the fused kernel under ``config`` (None: pick_config's)
-    against the runtime's unfused path (fastpipe.runtime.unfused_path, each member on its own stream), on the
+    against the runtime's unfused path (fastpipe.runtime.tuning.unfused_path, each member on its own stream), on the
     same fresh operands, each timed by ``stats`` (default ``replay_stats``: replayed CUDA graphs)."""
     from fastpipe.kernels.fusion_rule import KERNEL_REVISIONS, fused_wins, table_device
-    from fastpipe.runtime import unfused_path
+    from fastpipe.runtime.tuning import unfused_path
 
     stats = stats or replay_stats
     device = torch.device(call.device)

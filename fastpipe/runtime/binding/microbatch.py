@@ -17,14 +17,14 @@ def _dim0_error(name: str, t: torch.Tensor, chunks: int, want: int) -> InputErro
 
 def check_chunked_inputs(p, inputs: Mapping[str, torch.Tensor], chunks: int,
                          allowed_devices: Mapping[str, set]) -> dict[str, int]:
-    """check_inputs (fastpipe.runtime.inputs) for a run with chunks > 1: each input must be the
+    """check_inputs (fastpipe.runtime.binding.inputs) for a run with chunks > 1: each input must be the
     pipeline's input with chunks x its batch along dim 0. Every refusal is an InputError: a pipeline
     input or output with no dim 0 (shape []: nothing to split or concatenate), an input tensor whose
     dim 0 is not chunks x the batch (or that is 0-dim), then whatever check_inputs refuses (names,
     types, the other dims, dtype, device), against the whole chunked shape.
 
     Returns each pipeline input's batch (its dim 0), for split_chunks."""
-    from fastpipe.runtime.inputs import check_inputs
+    from fastpipe.runtime.binding.inputs import check_inputs
 
     for kind, names in (("input", p.input_names), ("output", p.output_names)):
         for name in names:

@@ -6,7 +6,7 @@
 
 A job is an object with `calls` (how often it has been called: its traffic; the thread picks the
 queued job with the most, so a serving set's busiest bucket compiles first) and
-`compile_in_background()` (fastpipe.runtime.compile.CompiledGraph). The job serialises its own
+`compile_in_background()` (fastpipe.runtime.compiling.compile.CompiledGraph). The job serialises its own
 compiles (a lock), so a foreground compile of the same graph waits for this thread's, never runs
 beside it. Jobs are held weakly: a graph whose sessions all closed is dropped from the queue.
 

@@ -1,4 +1,4 @@
-"""One CUDA-graph capture, safe to fail: every capture of fastpipe.runtime.graph_replay goes through here.
+"""One CUDA-graph capture, safe to fail: every capture of fastpipe.runtime.cuda.graph_replay goes through here.
 
     graph, out = capture(body, device, pool=None)    # body() issues the work; out is what it returned
 

@@ -15,7 +15,7 @@ they are the very objects asked for.
 Two ways to compile (RunOptions.compile). "background" (tiered, the default): a graph runs eagerly
 from its first call while one background thread compiles it, and the compiled graph is swapped in
 between calls once ready and measured faster (CompiledGraph says how; on the CPU a cheap estimate,
-fastpipe.runtime.compile_estimate, first decides whether a compile can pay at all). "wait": the
+fastpipe.runtime.compiling.compile_estimate, first decides whether a compile can pay at all). "wait": the
 compile happens at warm-up (`Session.compile()`: one whole run on seeded inputs, so every graph sees
 the same kinds of tensors - constants, pipeline inputs, inference-mode intermediates - as real runs
 and its guards hold), so compile time is reported apart from run time. If a graph cannot
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from fastpipe.errors import CompileError
-from fastpipe.runtime.release import release_with
+from fastpipe.runtime.binding.release import release_with
 from fastpipe.torch_compat import counting_inductor
 
 log = logging.getLogger("fastpipe")
@@ -78,9 +78,9 @@ class CompiledGraph:
     - False ("wait"): the first call compiles (timed) and runs compiled; Session.compile() makes that
       call at warm-up. RegionProcessor.tune() may then settle on eager where it measured it faster.
     - True (tiered): every call runs the graph eagerly until a compiled version is ready. At the second
-      call (a graph run once is not worth a compile), on the CPU, fastpipe.runtime.compile_estimate decides whether a
+      call (a graph run once is not worth a compile), on the CPU, fastpipe.runtime.compiling.compile_estimate decides whether a
       compile can pay (`skipped` says why not); if so the graph is queued on the process's background compiler
-      (fastpipe.runtime.background_compile), which compiles it on zero-filled tensors shaped, strided and
+      (fastpipe.runtime.compiling.background_compile), which compiles it on zero-filled tensors shaped, strided and
       typed as that call's arguments, under the same grad / inference mode. Once ready it is swapped in
       between calls: on the CPU the next calls alternate compiled and eager, each timed on the real
       inputs (MEASURED_CALLS of each, while no other graph compiles beside them), and the faster is kept (`timing`, `use_eager`); on a GPU the
@@ -90,7 +90,7 @@ class CompiledGraph:
 
     def __init__(self, gm: torch.nn.Module, where: str, policy: str, what: str = "supertask",
                  background: bool = False, device: torch.device | str | None = None):
-        from fastpipe.runtime.compile_cache import use_persistent_cache
+        from fastpipe.runtime.compiling.compile_cache import use_persistent_cache
 
         use_persistent_cache()          # compiled code outlives the process (a second one hits the cache)
         # the constants it was made for (its module holds the same objects): the cache checks them
@@ -248,7 +248,7 @@ class CompiledGraph:
             return out
         self._decided = True            # once: the background thread may have finished between two reads above
         if self.device_type == "cpu":
-            from fastpipe.runtime.compile_estimate import not_worth_compiling
+            from fastpipe.runtime.compiling.compile_estimate import not_worth_compiling
 
             biggest = max((t.numel() * t.element_size() for t in _tensors(out)), default=0)
             self.skipped = not_worth_compiling(self.gm, len(xs) + len(self.constants), biggest)
@@ -257,7 +257,7 @@ class CompiledGraph:
                 log.info("fastpipe: %s: not compiled: %s", self.where, self.skipped)
                 return out
         self._example = (tuple(_arg_meta(x) for x in xs), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-        from fastpipe.runtime.background_compile import background
+        from fastpipe.runtime.compiling.background_compile import background
 
         self._queued = background().submit(self)
         if not self._queued:            # the process is exiting: stay eager
@@ -271,7 +271,7 @@ class CompiledGraph:
         if self.device_type != "cpu":
             self.compiled = True
             return self._call_compiled(xs)
-        from fastpipe.runtime.background_compile import background
+        from fastpipe.runtime.compiling.background_compile import background
 
         if background().busy():          # another graph compiling beside: timings would measure that
             return self._call_compiled(xs)
@@ -310,7 +310,7 @@ class CompiledGraph:
         # fastpipe.torch_compat.compiled_calls_beside_fx_tracing): try again later
         self._retries += 1
         if self._retries <= MAX_RETRIES:
-            from fastpipe.runtime.background_compile import background
+            from fastpipe.runtime.compiling.background_compile import background
 
             time.sleep(0.1)
             self._queued = background().submit(self)
@@ -322,7 +322,7 @@ class CompiledGraph:
         """Tiered: compile now if queued (in this thread), or wait for the background compile under way."""
         if not self.background or self._example is None:
             return
-        from fastpipe.runtime.background_compile import background
+        from fastpipe.runtime.compiling.background_compile import background
 
         background().take(self)
         self.compile_in_background()

@@ -13,9 +13,9 @@ outputs are new tensors, and a caller keeping state copies them back.
 With `state_in_place=True` (fastpipe.options.RunOptions) a session writes each paired output
 into the tensor the caller gave as its input and returns that very tensor: no allocation per
 step and stable addresses (what one compiled graph and one captured CUDA graph need). The region
-processor writes it in the graph itself (fastpipe.runtime.region_state); the cpu and cuda
+processor writes it in the graph itself (fastpipe.runtime.passes.region_state); the cpu and cuda
 processors in the step that updates it, where that step alone reads the input and updates it by a
-scatter (fastpipe.runtime.bind); otherwise (and on the reference processor) the output is computed
+scatter (fastpipe.runtime.binding.bind); otherwise (and on the reference processor) the output is computed
 and copied into the input (`write_back`).
 """
 from __future__ import annotations

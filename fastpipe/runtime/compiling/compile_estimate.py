@@ -19,7 +19,7 @@ depend on what else the machine is doing):
     compile when saved > MARGIN x fixed
 
 The estimate only decides whether to start a compile; a compiled graph is then measured against eager
-on real calls and the faster kept (fastpipe.runtime.compile), so a wrong guess costs a compile, never
+on real calls and the faster kept (fastpipe.runtime.compiling.compile), so a wrong guess costs a compile, never
 speed.
 """
 from __future__ import annotations

@@ -11,18 +11,18 @@ compute step its callable (the fx graph on the slot's device, compiled when aske
 handler for other kinds); each comm group with a member to bind its plain-torch callable
 (fastpipe.runtime.execute.group_fn).
 
-State in place (`in_place`: state input -> its updated output, fastpipe.runtime.state, given by the
+State in place (`in_place`: state input -> its updated output, fastpipe.runtime.binding.state, given by the
 cpu and cuda processors with state_in_place): a compute step that is the only reader of a state
 input and writes its update gets a copy of its graph where the update is an in-place scatter into
-that input (fastpipe.runtime.region_state, copy_rest=False), so a decode step writes the new
+that input (fastpipe.runtime.passes.region_state, copy_rest=False), so a decode step writes the new
 positions into the caller's cache instead of making a new one for the session to copy in.
 `state_written(program, in_place)` names the outputs so written (fused steps included: their
-graphs get the same rewrite, fastpipe.runtime.fuse); the others are copied in as before. The
+graphs get the same rewrite, fastpipe.runtime.passes.fuse); the others are copied in as before. The
 reference processor keeps every graph as the file says (it is the oracle); the region processor
 rewrites its stitched graphs itself.
 
 GEMM layout (`fold_gemms`, the cpu, cuda and dist processors): a step's batched linears run as the
-one mm that F.linear reaches (fastpipe.runtime.gemm_layout), on a copy of the decoded graph.
+one mm that F.linear reaches (fastpipe.runtime.binding.gemm_layout), on a copy of the decoded graph.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from fastpipe.lower.program import Program
 from fastpipe.options import LoadOptions
 from fastpipe.payload import DecodedGraph, bind_external
 from fastpipe.runtime.execute import group_fn
-from fastpipe.runtime.graph_device import placed_graph
+from fastpipe.runtime.binding.graph_device import placed_graph
 from fastpipe.validate.sources import param_ref, payload_text
 from fastpipe.weights import ParamRef, WeightStore, resolve_param_path
 
@@ -49,8 +49,8 @@ class Binder:
                  fold_gemms: bool = False):
         self.p, self.opts, self.store, self.slot_devices = p, opts, store, slot_devices
         self.compile, self.compile_policy = compile, compile_policy
-        self.background = background      # tiered compiles (fastpipe.runtime.compile.CompiledGraph)
-        self.fold_gemms = fold_gemms      # batched linears folded into mm (fastpipe.runtime.gemm_layout)
+        self.background = background      # tiered compiles (fastpipe.runtime.compiling.compile.CompiledGraph)
+        self.fold_gemms = fold_gemms      # batched linears folded into mm (fastpipe.runtime.binding.gemm_layout)
         self.compiled: dict[str, object] = {}     # supertask id -> CompiledGraph (when compiling)
         self._const: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._gms: dict[tuple[int, torch.device], torch.nn.Module] = {}
@@ -103,7 +103,7 @@ class Binder:
                 self._bind_external(sid, g)
             gm = placed_graph(g.gm, device)      # constants and device arguments on the slot's device
             if self.fold_gemms:
-                from fastpipe.runtime.gemm_layout import folded_copy
+                from fastpipe.runtime.binding.gemm_layout import folded_copy
 
                 gm = folded_copy(gm)
             gm.eval()
@@ -111,7 +111,7 @@ class Binder:
         gm, written = self._in_place_graph(key, self._gms[key], in_place) if in_place else (self._gms[key], ())
         eager = gm
         if self.compile:
-            from fastpipe.runtime.compile import compiled_graph
+            from fastpipe.runtime.compiling.compile import compiled_graph
 
             text, where = payload_text(self.p, sid, self.opts)
             if written:                          # another graph than the payload's: its own compiled graph
@@ -131,7 +131,7 @@ class Binder:
         `pairs` are in-place scatters into their inputs (the same constants), or `gm` itself where none is."""
         import copy
 
-        from fastpipe.runtime.region_state import write_in_place
+        from fastpipe.runtime.passes.region_state import write_in_place
 
         k = key + (pairs,)
         if k not in self._in_place_gms:
@@ -217,7 +217,7 @@ def state_writers(program: Program, pairs) -> dict[tuple[str, int], tuple[tuple[
 def state_written(program: Program, pairs) -> frozenset[str]:
     """The state outputs among `pairs` (input -> its updated output) that a step of the bound `program`
     writes into its input tensor (its graph's output is an in-place scatter into that input)."""
-    from fastpipe.runtime.region_state import writes_in_place
+    from fastpipe.runtime.passes.region_state import writes_in_place
 
     out = set()
     for ss in program.steps.values():

@@ -12,7 +12,7 @@ captures at warm-up instead (Session.compile / Session.capture),
 so no request pays for a capture.
 
 Buffers. Pipeline inputs are copied into static buffers the graph reads. `state` (input -> its
-updated output, fastpipe.runtime.state): the state tensors given at capture, when dense on the
+updated output, fastpipe.runtime.binding.state): the state tensors given at capture, when dense on the
 device, become the graph's own buffers and their outputs are those buffers, not clones; a caller
 passing the same tensors every call (an engine's KV cache) copies nothing. Other tensors are copied
 in (and the session writes the outputs back into them); the tensors of the capture call then serve
@@ -45,7 +45,7 @@ cuda processor gives all its replays, one per chunk count, its own Turns, which 
 too, since they all issue onto the same lane streams). Captures are taken one at a time in the
 process (one capture lock), with capture_error_mode="thread_local", so other threads may run other
 sessions (eager, or replaying) while one captures. The capture itself
-(fastpipe.runtime.cuda_capture) leaves the thread's stream and the allocator as they were when it
+(fastpipe.runtime.cuda.capture) leaves the thread's stream and the allocator as they were when it
 fails.
 
 A capture failure follows the compile policy: "warn" keeps running `fn` eagerly, with a warning
@@ -60,7 +60,7 @@ from typing import Callable, Mapping
 import torch
 
 from fastpipe.errors import CompileError
-from fastpipe.runtime.cuda_capture import capture
+from fastpipe.runtime.cuda.capture import capture
 from fastpipe.torch_compat import foreach_copy_
 
 _CAPTURE_LOCK = threading.Lock()         # one capture at a time in the process (torch's rule)

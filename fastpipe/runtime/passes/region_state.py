@@ -1,4 +1,4 @@
-"""Updated state written in place inside a graph (fastpipe.runtime.state).
+"""Updated state written in place inside a graph (fastpipe.runtime.binding.state).
 
     done = write_in_place(gm, pairs)     # pairs: (placeholder index, output index) of (state input, its update)
     done = write_in_place(gm, pairs, copy_rest=False)   # only the in-place scatters; the rest left as they are
@@ -9,7 +9,7 @@ For each pair, the graph's output becomes the input tensor itself, updated:
   form (`index_put_`): only the new positions are written (the pairs returned);
 - otherwise a `copy_` of the output into the input ends the graph (copy_rest=True, the region
   processor's graphs) or the output stays a new tensor that the session copies in afterwards
-  (copy_rest=False, the per-step graphs of the cpu and cuda processors: fastpipe.runtime.bind).
+  (copy_rest=False, the per-step graphs of the cpu and cuda processors: fastpipe.runtime.binding.bind).
 torch.compile keeps both as writes into the caller's buffer (inductor re-inplaces the functional
 form it traces), so a decode step allocates no cache.
 """

@@ -4,7 +4,7 @@
     outs = runner.run(parts, trace=None)    # parts: one dict of inputs per micro-batch -> one outputs dict each
     runner.chunk_order(k)                   # [(slot, index, chunk), ...]: the order it issues a k-chunk run
 
-The CUDA processor (fastpipe.runtime.cuda_processor) runs this with CudaBackend: a lane is a
+The CUDA processor (fastpipe.runtime.processors.cuda) runs this with CudaBackend: a lane is a
 torch.cuda.Stream, an event a torch.cuda.Event. Everything that decides what is issued where,
 and when memory is let go, lives here and is the same with every backend; the backend only
 makes streams, records and waits for events, and keeps memory alive across streams. That makes
@@ -47,7 +47,7 @@ from fastpipe.lower.check import simulate
 from fastpipe.lower.program import Program, Step
 from fastpipe.lower.table import human_bytes
 from fastpipe.runtime.execute import call, group_where, step_where
-from fastpipe.runtime.inputs import to_device
+from fastpipe.runtime.binding.inputs import to_device
 
 SEP = "\x00"       # flat name of input/output `name` of chunk c: f"{c}{SEP}{name}" (one dict for a k-chunk graph)
 

@@ -3,14 +3,14 @@
     RegionProcessor(program, groups, compile=True, compile_policy="warn", cuda_graph=True)
 
 The Program must carry regions (the region pass). Each one-device region is stitched into one
-fx graph (fastpipe.runtime.region_graph) - its slots' compute, and the comm between them as
+fx graph (fastpipe.runtime.passes.region_graph) - its slots' compute, and the comm between them as
 plain tensor code (fastpipe.comm.local) - and run as one call: eagerly as one generated Python
-function, or, with compile=True, through torch.compile(fullgraph=True) (fastpipe.runtime.compile:
+function, or, with compile=True, through torch.compile(fullgraph=True) (fastpipe.runtime.compiling.compile:
 once per process per distinct region and constants; a failure or a graph break warns and runs
 the region eagerly, or raises, by the policy; a recompile after warm-up is warned about). A comm
 group whose members span devices is a region of its own, run by the comm reference. When every
 region is on one GPU, the whole run is captured as one CUDA graph and replayed
-(fastpipe.runtime.graph_replay): capture(inputs) captures it now (Session.compile does, at
+(fastpipe.runtime.cuda.graph_replay): capture(inputs) captures it now (Session.compile does, at
 warm-up), else the second run captures it; `graph_pool` shares its memory pool with other sessions'
 graphs replayed one at a time (a serving set's buckets).
 
@@ -35,8 +35,8 @@ from fastpipe.errors import FastpipeError, RunError
 from fastpipe.lower.program import Program
 from fastpipe.lower.regions import Region, by_unit
 from fastpipe.runtime.execute import call, group_where, labelled, run_compute, run_group, step_args
-from fastpipe.runtime.inputs import dense, to_device
-from fastpipe.runtime.release import release_with, weak_method
+from fastpipe.runtime.binding.inputs import dense, to_device
+from fastpipe.runtime.binding.release import release_with, weak_method
 
 _COMPILED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
 
@@ -45,7 +45,7 @@ def _compiled_region(gm: torch.fx.GraphModule, device: str, where: str, policy: 
     """One CompiledGraph per distinct region code, constants, device, compile policy and way of compiling
     (tiered in the background, or at warm-up) in this process (shared while some session holds it;
     dropped with the last one)."""
-    from fastpipe.runtime.compile import CompiledGraph
+    from fastpipe.runtime.compiling.compile import CompiledGraph
 
     consts = tuple(id(t) for t in (*gm.parameters(), *gm.buffers()))
     key = (hashlib.sha256(gm.code.encode()).hexdigest(), consts, device, policy, background)
@@ -84,19 +84,19 @@ class RegionProcessor:
                  state: Mapping[str, str] | None = None, graph_pool=None, alias_outputs: bool = False,
                  substitute: Callable[[list], None] | None = None):
         """`groups`: the checked comm groups (kind, params); `background`: with compile, each region runs
-        eagerly until the background compiler has compiled it (fastpipe.runtime.compile.CompiledGraph,
+        eagerly until the background compiler has compiled it (fastpipe.runtime.compiling.compile.CompiledGraph,
         tiered), else it compiles at its first call (Session.compile's warm-up); `opaque_groups`: groups whose bound
         callable must run as is (fused kernels) instead of their one-device function; `state`: input ->
-        its updated output, written into the input's tensor in the graph (fastpipe.runtime.state);
-        `graph_pool`: a fastpipe.runtime.graph_replay.GraphPool for the CUDA graph (None: its own);
+        its updated output, written into the input's tensor in the graph (fastpipe.runtime.binding.state);
+        `graph_pool`: a fastpipe.runtime.cuda.graph_replay.GraphPool for the CUDA graph (None: its own);
         `alias_outputs`: a replayed run returns the graph's output buffers, not clones (GraphReplay);
         `substitute`: told [(shard, view of its merged weight)] as each merged group is made (a
         WeightStore's substitute: later sessions loading the shards get the views), before the shards go.
         The Program's steps must be the only other holders of their constants (the Session drops
         its Binder's first), so that each group's shards are freed as soon as it is merged."""
-        from fastpipe.runtime.gemm_layout import fold_batched_linears
-        from fastpipe.runtime.region_graph import stitch
-        from fastpipe.runtime.region_passes import PassReport, optimize
+        from fastpipe.runtime.binding.gemm_layout import fold_batched_linears
+        from fastpipe.runtime.passes.region_graph import stitch
+        from fastpipe.runtime.passes.region_passes import PassReport, optimize
 
         if not program.regions:
             raise ValueError("the region processor needs a Program with regions (fastpipe.lower.with_regions)")
@@ -118,7 +118,7 @@ class RegionProcessor:
         self.state = dict(state or {})
         self._state_outputs = frozenset(self.state.values())
         self.in_place = 0               # state updates written by an in-place op (the rest: a copy_ at the end)
-        self.folded = 0                 # batched linears folded into one mm (fastpipe.runtime.gemm_layout)
+        self.folded = 0                 # batched linears folded into one mm (fastpipe.runtime.binding.gemm_layout)
         for r in program.regions:
             if r.device is None:
                 self.runs.append(_RegionRun(r, None))
@@ -140,14 +140,14 @@ class RegionProcessor:
         self.replay = None
         dev = next(iter(devices))
         if cuda_graph and len(devices) == 1 and dev is not None and dev.type == "cuda":
-            from fastpipe.runtime.graph_replay import GraphReplay
+            from fastpipe.runtime.cuda.graph_replay import GraphReplay
 
             self.replay = GraphReplay(weak_method(self._run_env), dev, policy=compile_policy, state=self.state,
                                       pool=graph_pool, alias_outputs=alias_outputs)
 
     def _state_in_place(self, r: Region, gm) -> int:
-        """Make the region write its state outputs into their input tensors (fastpipe.runtime.region_state)."""
-        from fastpipe.runtime.region_state import write_in_place
+        """Make the region write its state outputs into their input tensors (fastpipe.runtime.passes.region_state)."""
+        from fastpipe.runtime.passes.region_state import write_in_place
 
         pairs = [(r.reads.index(i), r.writes.index(o)) for i, o in self.state.items()
                  if i in r.reads and o in r.writes]
@@ -159,7 +159,7 @@ class RegionProcessor:
         substitute's store, so that no reference to a shard is left and its memory goes before the
         next group is concatenated. Later sessions loading the same shards get the views, and with
         them the same merged weight (remember_concat)."""
-        from fastpipe.runtime.region_passes import remember_concat
+        from fastpipe.runtime.passes.region_passes import remember_concat
         from fastpipe.weights.page_release import release
 
         holders: dict[int, list] = {}           # id(constant) -> [(a step's constants, name)]

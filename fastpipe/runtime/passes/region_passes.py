@@ -1,4 +1,4 @@
-"""Passes over a stitched region graph (fastpipe.runtime.region_graph), run before it is compiled.
+"""Passes over a stitched region graph (fastpipe.runtime.passes.region_graph), run before it is compiled.
 
     report = optimize(gm, merge=True)       # in place; report.cse, report.merged, report.pieces
     optimize(gm, on_merge=rebind)           # rebind(pieces) per merged group, as it is made
@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from fastpipe.comm import local
-from fastpipe.runtime.region_graph import attr_of
+from fastpipe.runtime.passes.region_graph import attr_of
 from fastpipe.torch_compat import is_mutable_op, is_pure_op
 
 aten = torch.ops.aten

@@ -1,6 +1,6 @@
 """The dist processor: a Program run by several processes (torchrun ranks) with torch.distributed.
 
-Every rank loads the pipeline, binds only its own slots (fastpipe.runtime.dist_setup decides
+Every rank loads the pipeline, binds only its own slots (fastpipe.runtime.processors.dist_setup decides
 which) and issues its steps from ONE thread, in the order simulate(program) gives: the
 Program's deadlock-free global completion order, projected onto this rank's slots. The global
 order is the same on every rank, so every rank issues the groups it shares with another rank
@@ -51,7 +51,7 @@ from fastpipe import dtypes
 from fastpipe.errors import FastpipeError, InputError, RunError
 from fastpipe.lower.check import simulate
 from fastpipe.lower.program import Program, Step
-from fastpipe.runtime.dist_setup import RankPlan, init_process_group, make_subgroups, rank_cuda_device
+from fastpipe.runtime.processors.dist_setup import RankPlan, init_process_group, make_subgroups, rank_cuda_device
 from fastpipe.runtime.execute import run_compute, run_group, step_args
 
 _WIRE = {torch.int16: torch.float16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
@@ -243,7 +243,7 @@ class DistProcessor:
         if chunks == 1:
             parts = [dict(inputs)]
         else:
-            from fastpipe.runtime.microbatch import split_chunks
+            from fastpipe.runtime.binding.microbatch import split_chunks
 
             parts = split_chunks(inputs, chunks, {n: self.pipeline.tensors[n].shape[0] for n in inputs})
         events: list | None = [] if trace is not None else None
@@ -257,7 +257,7 @@ class DistProcessor:
         return {n: torch.cat([r[n] for r in results], dim=0) for n in self.pipeline.output_names}
 
     def check_inputs(self, inputs: Mapping[str, torch.Tensor], chunks: int = 1) -> None:
-        from fastpipe.runtime.inputs import check_inputs
+        from fastpipe.runtime.binding.inputs import check_inputs
 
         p = self.pipeline
         for name in inputs:
@@ -271,7 +271,7 @@ class DistProcessor:
         present = SimpleNamespace(input_names=tuple(n for n in p.input_names if n in inputs),
                                   output_names=p.output_names, tensors=p.tensors)
         if chunks > 1:
-            from fastpipe.runtime.microbatch import check_chunked_inputs
+            from fastpipe.runtime.binding.microbatch import check_chunked_inputs
 
             check_chunked_inputs(present, inputs, chunks, self.input_devices)
         else:

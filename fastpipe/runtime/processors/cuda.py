@@ -2,7 +2,7 @@
 whole-run CUDA-graph replay.
 
 One host thread issues the whole run, every micro-batch, onto the slots' streams
-(fastpipe.runtime.stream_issue: the order, the waits, the frees and the trace are decided there,
+(fastpipe.runtime.cuda.stream_issue: the order, the waits, the frees and the trace are decided there,
 the same code the CPU tests drive through its host backend):
   * fork: every slot stream waits for the caller's current stream on every device involved;
     join: the caller's current stream on every device waits for every slot stream;
@@ -19,7 +19,7 @@ the same code the CPU tests drive through its host backend):
   * no host synchronisation inside a run (a traced run synchronizes once, at its end, to read
     its CUDA events); everything runs under torch.inference_mode.
 With cuda_graph=True (slots on one GPU) the whole run, all k micro-batches, is captured and
-replayed by fastpipe.runtime.graph_replay, one graph per number of chunks: Session.compile()
+replayed by fastpipe.runtime.cuda.graph_replay, one graph per number of chunks: Session.compile()
 captures at warm-up (`replay.capture(inputs)`: the graph exists before the first real run);
 otherwise the first call runs eagerly (compiles, allocator settles) and the second captures the
 whole run into one CUDA graph (side streams forked from and joined back to the capture stream).
@@ -43,9 +43,9 @@ import torch
 
 from fastpipe.errors import InputError
 from fastpipe.lower.program import Program
-from fastpipe.runtime.graph_replay import GraphReplay, Turns
-from fastpipe.runtime.release import weak_method
-from fastpipe.runtime.stream_issue import (
+from fastpipe.runtime.cuda.graph_replay import GraphReplay, Turns
+from fastpipe.runtime.binding.release import weak_method
+from fastpipe.runtime.cuda.stream_issue import (
     CudaBackend,
     LaneRunner,
     flatten_chunks,
@@ -120,7 +120,7 @@ class CudaProcessor:
 
     def use_pool(self, pool) -> None:
         """Capture every graph of this processor (one per chunk count, made and to be made) into
-        `pool` (a fastpipe.runtime.graph_replay.GraphPool: GraphReplay.use_pool); they take turns."""
+        `pool` (a fastpipe.runtime.cuda.graph_replay.GraphPool: GraphReplay.use_pool); they take turns."""
         self.graph_pool, self.turns = pool, pool.turns
         for r in self.replays.values():
             r.use_pool(pool)
