@@ -363,7 +363,7 @@ def test_sharded_checkpoint(ckpt):
 def test_refusals(ckpt, tmp_path):
     with pytest.raises(InvalidInput, match="sliding_window"):
         detect_family(MistralConfig(sliding_window=4096))
-    assert detect_family(MistralConfig(sliding_window=None)) == "llama"
+    assert detect_family(MistralConfig(sliding_window=None)) == "mistral"
     with pytest.raises(InvalidInput, match="model_type"):
         detect_family(transformers.T5Config())
     with pytest.raises(InvalidInput, match="config.json"):

@@ -511,3 +511,39 @@ def test_the_layer_table_sees_an_upward_import():
     assert layer_of("fastpipe.validate.rules") == 2 and layer_of("fastpipe.validate.files") == 3
     assert layer_of("fastpipe.runtime.passes.fuse") > layer_of("fastpipe.lower.check") > layer_of("fastpipe.format.parse")
     assert layer_of("fastpipe") == 7 and layer_of("fastpipe.cli.main") == 7
+
+
+def test_model_families_are_compared_only_in_their_registry():
+    """No module outside fastpipe/builder/hf/families/ switches on a model family's name (``family ==``,
+    ``!=``, ``in``, ``not in``, or a lookup ``X[family]``): what differs between families is a field of
+    their FamilySpec (fastpipe.builder.hf.families), which the generic machinery asks."""
+    families = PKG / "builder" / "hf" / "families"
+
+    def names_family(node: ast.AST) -> bool:
+        return ((isinstance(node, ast.Name) and node.id == "family")
+                or (isinstance(node, ast.Attribute) and node.attr == "family"))
+
+    def switches(tree: ast.AST) -> list[int]:
+        lines = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                     for op in node.ops):
+                if any(names_family(x) for x in [node.left, *node.comparators]):
+                    lines.append(node.lineno)
+            elif isinstance(node, ast.Subscript) and names_family(node.slice):
+                lines.append(node.lineno)
+        return lines
+
+    probe = ast.parse('if family == "bert": pass\nif plan.family not in ("a",): pass\nx = LAYERS[family]\n'
+                      'for family in fams: pass\ny = spec.name == "bert"')
+    assert switches(probe) == [1, 2, 3]
+    pattern = re.compile(r"\bfamily\s*(==|!=)|\bfamily\s+(not\s+)?in\s*\(")
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path == families or families in path.parents:
+            continue
+        text = path.read_text()
+        lines = set(switches(ast.parse(text)))
+        lines |= {i for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)}
+        bad += [f"{path.relative_to(ROOT)}:{i}" for i in sorted(lines)]
+    assert not bad, "a model family switched on outside fastpipe/builder/hf/families/:\n  " + "\n  ".join(bad)

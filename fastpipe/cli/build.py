@@ -151,7 +151,7 @@ def _check_decoder(model_dir, max_len: int) -> None:
     encoder, or a max_len past the model's positions (the builder checks again)."""
     import json
 
-    from fastpipe.builder.hf.load import MODEL_TYPES
+    from fastpipe.builder.hf.families import family_for_model_type
 
     try:
         config = json.loads((model_dir / "config.json").read_text())
@@ -159,7 +159,11 @@ def _check_decoder(model_dir, max_len: int) -> None:
         raise InputError(f"model: expected a readable config.json in \"{model_dir}\", found: {' '.join(str(e).split())}") from None
     if not isinstance(config, dict):
         raise InputError(f"model: expected config.json to hold an object, found {type(config).__name__}")
-    if MODEL_TYPES.get(config.get("model_type")) == "bert":
+    try:
+        family = family_for_model_type(config.get("model_type"))
+    except ValueError as e:
+        raise InputError(f"build: {' '.join(str(e).split())}") from None
+    if not family.decoder:
         raise InputError(f"--serve: expected a decoder checkpoint (generation needs a KV cache), found model_type "
                          f"{config.get('model_type')!r}")
     limit = config.get("n_positions") or config.get("max_position_embeddings")

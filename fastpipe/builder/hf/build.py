@@ -34,6 +34,7 @@ from fastpipe.builder.api import Built
 from fastpipe.builder.emit import Emitter, IOSpec, RankGraph, StoredParam
 from fastpipe.builder.hf import plans
 from fastpipe.builder.hf.checkpoint import checkpoint_index
+from fastpipe.builder.hf.families import FamilySpec, get_family, registered_families
 from fastpipe.builder.hf.load import load_skeleton
 from fastpipe.builder.hf.trace import flat_signature, traced_forward
 from fastpipe.builder.sharding import apply_sharding
@@ -44,20 +45,12 @@ from fastpipe.format import parse_pipeline
 from fastpipe.torch_compat import FakeTensorMode, fx_tracing_lock
 from fastpipe.validate import validate_structure
 
-LAYERS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "encoder.layer"}
-# sequence parallelism: where the embeddings leave (replicated -> sequence shards), and the modules
-# whose input must be gathered first (HF attention takes its output shape from its input's shape)
-# (hook, module): "post" slices a module's output, "pre" its hidden_states input. Llama derives its rotary
-# positions from the embeddings' sequence length, so it is sliced at the first decoder layer instead.
-SP_SCATTER = {"gpt2": ("post", "transformer.drop"), "llama": ("pre", "model.layers.0")}
-SP_GATHER = {"gpt2": (r"transformer\.h\.\d+\.(attn|mlp)", r"transformer\.ln_f"),
-             "llama": (r"model\.layers\.\d+\.(self_attn|mlp)", r"model\.norm")}
-
-
-def even_split_points(family: str, n_layers: int, pp: int) -> list[str]:
+def even_split_points(family: str | FamilySpec, n_layers: int, pp: int) -> list[str]:
+    """The pp - 1 blocks (items of the family's ``layers`` module) where stages 1.. begin."""
     if pp > n_layers:
         raise BuildError(f"pp: expected at most the number of layers ({n_layers}), found {pp}")
-    return [f"{LAYERS[family]}.{(s * n_layers) // pp}" for s in range(1, pp)]
+    layers = get_family(family).layers
+    return [f"{layers}.{(s * n_layers) // pp}" for s in range(1, pp)]
 
 
 def _module_rules(plan, model) -> dict[str, str]:
@@ -70,14 +63,19 @@ def _module_rules(plan, model) -> dict[str, str]:
     return out
 
 
-def rank_local(model, family: str, plan, rank: int, tp: int, *, sequence_parallel: bool,
+def rank_local(model, family: str | FamilySpec, plan, rank: int, tp: int, *, sequence_parallel: bool,
                split_points: dict[str, int]):
-    """A meta copy of `model` with this rank's layers; returns (local, sources by local param name)."""
+    """A meta copy of `model` with this rank's layers; returns (local, sources by local param name).
+
+    With sequence parallelism the hidden states become sequence shards where the family's
+    ``sp_scatter`` says, and the modules of its ``sp_gather`` gather them first.
+    """
+    spec = get_family(family)
     local = copy.deepcopy(model)
     rules = _module_rules(plan, model)
     sp = sequence_parallel and tp > 1
     reduce_to = "shard:1" if sp else "replicate"
-    in_layout = None    # with sequence parallelism whole modules gather their input (SP_GATHER)
+    in_layout = None    # with sequence parallelism whole modules gather their input (sp_gather)
     for mod_name, rule in rules.items():
         mod = model.get_submodule(mod_name)
         shape = tuple(mod.weight.shape)
@@ -114,16 +112,17 @@ def rank_local(model, family: str, plan, rank: int, tp: int, *, sequence_paralle
                     for attr, value in attrs.items():
                         setattr(mod, attr, value)
     if sp:
-        if family not in SP_SCATTER:
-            raise BuildError(f"sequence_parallel: supported for decoders (gpt2, llama), found {family}")
-        when, where = SP_SCATTER[family]
+        if spec.sp_scatter is None:
+            able = ", ".join(f.name for f in registered_families() if f.sp_scatter is not None)
+            raise BuildError(f"sequence_parallel: supported for {able}, found {spec.name}")
+        when, where = spec.sp_scatter
         if when == "post":
             local.get_submodule(where).register_forward_hook(
                 lambda m, a, out: markers.transition(out, "replicate", "shard:1", tp))
         else:
             local.get_submodule(where).register_forward_pre_hook(_hidden_transition("replicate", "shard:1", tp),
                                                                   with_kwargs=True)
-        for pattern in SP_GATHER[family]:
+        for pattern in spec.sp_gather:
             for mod_name, mod in local.named_modules():
                 if re.fullmatch(pattern, mod_name):
                     mod.register_forward_pre_hook(_gather_hidden(tp), with_kwargs=True)
@@ -169,23 +168,24 @@ def build_hf(model_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 1,
              max_len: int | None = None, last_logits: bool = False, cache_rows: int | None = None) -> Built:
     model_dir = Path(model_dir)
     model, config, family = load_skeleton(model_dir, dtype=dtype)
+    spec = get_family(family)
     index = checkpoint_index(model_dir, model)
-    plan = plans.tp_plan(family, config)
+    plan = plans.tp_plan(spec, config)
     plans.check_plan(plan, model, tp)
-    n_layers = len(model.get_submodule(LAYERS[family]))
-    points = split_points if split_points is not None else even_split_points(family, n_layers, pp)
+    n_layers = len(model.get_submodule(spec.layers))
+    points = split_points if split_points is not None else even_split_points(spec, n_layers, pp)
     if len(points) != pp - 1:
         raise BuildError(f"split_points: expected {pp - 1} module names for pp={pp}, found {len(points)}")
     stages = {name: i + 1 for i, name in enumerate(points)}
     if sequence_parallel and tp > 1 and seq_len % tp:
         raise BuildError(f"sequence_parallel: expected seq_len divisible by tp={tp}, found {seq_len}")
-    if family == "bert":
+    if not spec.decoder:
         if max_len is not None:
-            raise BuildError(f"max_len: expected None for bert (no KV cache), found {max_len}")
+            raise BuildError(f"max_len: expected None for {spec.name} (no KV cache), found {max_len}")
         past_len = None
     if max_len is not None and sequence_parallel:
         raise BuildError("sequence_parallel: expected off with a static cache (max_len), found on")
-    full_sig = flat_signature(family, config, batch, seq_len, past_len, dtype=next(model.parameters()).dtype,
+    full_sig = flat_signature(spec, config, batch, seq_len, past_len, dtype=next(model.parameters()).dtype,
                               pooler=getattr(model, "pooler", None) is not None, max_len=max_len,
                               last_logits=last_logits, cache_rows=cache_rows)
     q_local, kv_local = plans.local_heads(plan.n_q_heads, plan.n_kv_heads, tp)
@@ -195,9 +195,9 @@ def build_hf(model_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 1,
     files = sorted({st.file for st in index.values()})
     emitter = Emitter(name, tp, pp, lambda p: StoredParam(index[p].file, index[p].name_in_file))
     for rank in range(tp):
-        local, sources = rank_local(model, family, plan, rank, tp, sequence_parallel=sequence_parallel,
+        local, sources = rank_local(model, spec, plan, rank, tp, sequence_parallel=sequence_parallel,
                                     split_points=stages)
-        ff = traced_forward(local, family, config, batch=batch, seq_len=seq_len, past_len=past_len,
+        ff = traced_forward(local, spec, config, batch=batch, seq_len=seq_len, past_len=past_len,
                             num_kv_heads=kv_local, max_len=max_len, last_logits=last_logits,
                             cache_rows=cache_rows)
         pnames = list(ff.param_names)

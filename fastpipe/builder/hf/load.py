@@ -6,14 +6,12 @@ is never asked), the model is instantiated under ``torch.device("meta")``, and
 the only bytes read besides the config are safetensors *headers* (to see
 whether a BERT checkpoint has a pooler).
 
-Families (``config.model_type`` -> family):
-    gpt2                    -> "gpt2"   (GPT2LMHeadModel)
-    llama, mistral, qwen2   -> "llama"  (XForCausalLM; same module layout: q/k/v/o_proj,
-                                        gate/up/down_proj, RMSNorm, rotary, GQA)
-    bert                    -> "bert"   (BertModel, encoder only)
-Anything else, and variants whose traced graph would differ from plain causal
-attention (sliding windows, dynamic RoPE, cross-attention, BERT as a decoder),
-is refused with a ``BuildError`` naming the config field.
+Families: ``config.model_type`` selects a registered family
+(fastpipe.builder.hf.families: gpt2, llama, mistral, qwen2, bert, one module
+each), whose spec names the model class and whose ``check`` refuses, with a
+``BuildError`` naming the config field, the variants whose traced graph would
+differ from what the family's trace reproduces (sliding windows, dynamic RoPE,
+cross-attention, BERT as a decoder). Any other model_type is refused too.
 
 Attention implementation: ``"eager"`` (the default). Why not "sdpa": under
 make_fx, ``aten.scaled_dot_product_attention`` is CompositeImplicit and is
@@ -39,49 +37,17 @@ from pathlib import Path
 
 import torch
 
-from fastpipe.errors import BuildError, ParamError
+from fastpipe.builder.hf.families import FamilySpec, family_for, get_family
+from fastpipe.errors import BuildError
 
-FAMILIES = ("gpt2", "llama", "bert")
-MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "bert": "bert"}
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 DEFAULT_ATTN = "eager"
 
 
 def detect_family(config) -> str:
-    """``config.model_type`` -> "gpt2" | "llama" | "bert", refusing variants the harness does not trace."""
-    mt = getattr(config, "model_type", None)
-    family = MODEL_TYPES.get(mt)
-    if family is None:
-        raise BuildError(f"config.json.model_type: expected one of {sorted(MODEL_TYPES)}, found {mt!r}")
-    _check_supported(config, family)
-    return family
-
-
-def _refuse(field: str, expected: str, found: object) -> BuildError:
-    return BuildError(f"config.json.{field}: expected {expected}, found {found!r}")
-
-
-def _check_supported(config, family: str) -> None:
-    if family == "gpt2":
-        if getattr(config, "add_cross_attention", False):
-            raise _refuse("add_cross_attention", "false (no cross-attention)", True)
-    elif family == "llama":
-        if getattr(config, "sliding_window", None) is not None:
-            # Mistral v0.1 (4096) / Qwen2 with use_sliding_window: the mask gains a
-            # window overlay and the cache a sliding layer; not traced here.
-            raise _refuse("sliding_window", "null (no sliding-window attention)", config.sliding_window)
-        types = getattr(config, "layer_types", None)
-        if types is not None and any(t != "full_attention" for t in types):
-            raise _refuse("layer_types", "only 'full_attention'", sorted(set(types)))
-        rope = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-        if rope_type == "dynamic" or rope_type == "longrope" or "dynamic" in str(rope_type):
-            # dynamic_rope_update reads max(position_ids) -> data-dependent control flow
-            raise _refuse("rope_parameters.rope_type", "a static RoPE (default, linear, llama3, yarn, ...)",
-                          rope_type)
-    elif family == "bert":
-        if getattr(config, "is_decoder", False):
-            raise _refuse("is_decoder", "false (BERT is traced as an encoder)", True)
+    """The name of ``config``'s registered family (by ``config.model_type``), refusing the variants
+    the family's trace does not reproduce (``FamilySpec.check``)."""
+    return family_for(config).name
 
 
 def read_config(model_dir: Path):
@@ -99,35 +65,30 @@ def read_config(model_dir: Path):
         raise BuildError(f"{path}: expected a config transformers can read, found an error: {msg}") from None
 
 
-def model_class(family: str, config):
-    """The transformers class instantiated for ``family`` (causal LM for decoders, BertModel for bert)."""
-    from transformers import AutoModelForCausalLM, BertModel
-
-    if family == "bert":
-        return BertModel
-    if family in ("gpt2", "llama"):
-        mapping = AutoModelForCausalLM._model_mapping
-        return mapping[type(config)]
-    raise BuildError(f"family: expected one of {list(FAMILIES)}, found {family!r}")
+def model_class(family: str | FamilySpec, config):
+    """The transformers class instantiated for ``family`` (its spec's ``model_class``)."""
+    return get_family(family).resolve_model_class(config)
 
 
-def build_model(config, family: str, *, device: str | torch.device = "meta", dtype: torch.dtype | None = None,
-                attn_implementation: str = DEFAULT_ATTN, add_pooling_layer: bool = True):
+def build_model(config, family: str | FamilySpec, *, device: str | torch.device = "meta",
+                dtype: torch.dtype | None = None, attn_implementation: str = DEFAULT_ATTN,
+                model_dir: Path | None = None):
     """Instantiate the family's model class from ``config`` on ``device``, in eval mode.
 
+    ``model_dir``: the checkpoint folder the model is for, if any; the family's ``load_kwargs``
+    read it for the class's build options (BERT: a pooler iff the checkpoint has one).
     On "meta" no memory is allocated and nothing is initialized for real; the
     non-persistent buffers are then materialized on CPU (see module docstring).
     """
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise BuildError(f"attn_implementation: expected one of {list(ATTN_IMPLEMENTATIONS)}, "
                            f"found {attn_implementation!r}")
-    cls = model_class(family, config)
+    spec = get_family(family)
+    cls = spec.resolve_model_class(config)
     config = copy.deepcopy(config)  # _from_config writes dtype and _attn_implementation into it
-    kwargs = {"attn_implementation": attn_implementation}
+    kwargs = {"attn_implementation": attn_implementation, **spec.load_kwargs(model_dir)}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    if family == "bert":
-        kwargs["add_pooling_layer"] = add_pooling_layer
     with torch.device(device):
         model = cls._from_config(config, **kwargs)
     model.eval()
@@ -166,16 +127,6 @@ def skeleton_buffers(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _bert_has_pooler(model_dir: Path) -> bool:
-    from .checkpoint import stored_tensors
-
-    try:
-        names = stored_tensors(model_dir)
-    except ParamError:
-        return True  # no checkpoint (yet): BertModel's default; checkpoint_index reports what is missing
-    return any(n == "pooler.dense.weight" or n.endswith(".pooler.dense.weight") for n in names)
-
-
 def load_skeleton(model_dir: Path, *, dtype: torch.dtype | None = None,
                   attn_implementation: str = DEFAULT_ATTN):
     """``model_dir`` -> ``(model, config, family)``; parameters on meta, eval mode, no weight read.
@@ -183,14 +134,14 @@ def load_skeleton(model_dir: Path, *, dtype: torch.dtype | None = None,
     ``dtype``: the parameters' dtype; None -> the config's ``dtype`` if it
     names one, else torch's default (float32). The returned config is the
     model's own (a copy of the folder's, with ``dtype`` and
-    ``_attn_implementation`` resolved). For BERT the pooler exists iff the
-    checkpoint has ``pooler.dense.weight`` (BertForMaskedLM checkpoints have
-    none).
+    ``_attn_implementation`` resolved). ``family`` is the registered family's
+    name. The family's ``load_kwargs`` see the folder (BERT: the pooler exists
+    iff the checkpoint has ``pooler.dense.weight``; BertForMaskedLM checkpoints
+    have none).
     """
     model_dir = Path(model_dir)
     config = read_config(model_dir)
-    family = detect_family(config)
-    pooler = _bert_has_pooler(model_dir) if family == "bert" else True
-    model = build_model(config, family, device="meta", dtype=dtype, attn_implementation=attn_implementation,
-                        add_pooling_layer=pooler)
-    return model, model.config, family
+    spec = family_for(config)
+    model = build_model(config, spec, device="meta", dtype=dtype, attn_implementation=attn_implementation,
+                        model_dir=model_dir)
+    return model, model.config, spec.name

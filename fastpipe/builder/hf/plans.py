@@ -1,9 +1,12 @@
-"""Tensor-parallel plans for the three families, as data (SPEC section 5).
+"""Tensor-parallel plans, as data (SPEC section 5).
 
 A plan maps every parameter name of the unsplit model -- tied aliases
 included, i.e. ``named_parameters(remove_duplicate=False)`` -- to a ``Rule``
 (first regex that ``fullmatch``es wins), and names the attention modules
-whose attributes a rank-local copy must change.
+whose attributes a rank-local copy must change. The rules and attributes are
+the family's (``FamilySpec.tp_rules`` / ``tp_attrs`` in
+fastpipe.builder.hf.families: each family module states its own, with the
+module attributes it changes and why); ``tp_plan`` sizes them from a config.
 
 Rule kinds (``dim`` always counts dimensions of the *stored* tensor):
   column          output features sharded along ``dim``; no comm; the output is
@@ -34,27 +37,13 @@ Rule kinds (``dim`` always counts dimensions of the *stored* tensor):
   replicate       whole on every rank (norms, position embeddings, poolers,
                   rotary buffers).
 
-Module attributes on a rank-local copy (read from the transformers 5.23
-sources; projections reshape with ``view(..., -1, head_dim)`` and
-``reshape(*input_shape, -1)``, so head counts follow the weight shapes except
-where listed as REQUIRED; ``attribute_updates`` computes the values):
-  gpt2  GPT2Attention ``transformer.h.N.attn``:
-          split_size = q_local * head_dim   REQUIRED (c_attn(x).split(split_size, dim=2))
-          num_heads  = q_local              not read in forward; set for consistency
-        Conv1D ``...attn.c_attn`` / ``...mlp.c_fc`` (column-sharded):
-          nf = local output features        REQUIRED (Conv1D.forward views to (..., nf))
-        (embed_dim stays hidden_size; head_dim, scaling and Conv1D.nx of row
-        layers are not affected / not read)
-  llama LlamaAttention ``model.layers.N.self_attn``:
-          num_key_value_groups = q_local // kv_local   REQUIRED (repeat_kv in eager and sdpa)
-          (head_dim and scaling unchanged; do not edit the shared config's
-          num_attention_heads / num_key_value_heads: forward never reads them)
-  bert  BertSelfAttention ``encoder.layer.N.attention.self``:
-          num_attention_heads = q_local, all_head_size = q_local * head_size
-          neither is read in forward (nothing REQUIRED); set for consistency.
-  nn.Linear in_features/out_features and nn.Embedding num_embeddings are not
-  read by forward; nn.Embedding.padding_idx is a *global* id -- set it to None
-  on a vocab shard (it only affects gradients).
+Module attributes (``AttrUpdate``) on a rank-local copy: a value is a formula
+in the rank's query heads ``q_local``, KV heads ``kv_local``, ``head_dim``,
+``tp`` and the MLP width ``inner`` (``attribute_updates`` computes them);
+``required`` says whether the forward reads it (False: set for consistency).
+nn.Linear in_features/out_features and nn.Embedding num_embeddings are not
+read by forward; nn.Embedding.padding_idx is a *global* id -- set it to None
+on a vocab shard (it only affects gradients).
 A tied embedding / LM head (GPT-2 always, Llama when tie_word_embeddings) must
 be untied on each rank: the two names get different shards of one stored tensor.
 """
@@ -64,31 +53,17 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from fastpipe.builder.hf.families import FamilySpec, get_family
+from fastpipe.builder.hf.tp_rules import KINDS, REPLICATE, AttrUpdate, Rule
 from fastpipe.errors import BuildError
 
-KINDS = ("column", "column_packed", "kv_column", "row", "row_bias", "vocab_embedding", "lm_head", "replicate")
+__all__ = [
+    "KINDS", "REPLICATE", "AttrUpdate", "Placements", "Rule", "TPPlan", "attribute_updates", "check_plan", "check_tp",
+    "kv_head_for_rank", "kv_heads_for_rank", "lm_head_sharded", "local_heads", "q_heads_for_rank", "shard_pieces",
+    "tp_plan", "vocab_range",
+]
 
 Placements = list[tuple[int, int]]
-
-
-@dataclass(frozen=True)
-class Rule:
-    kind: str
-    dim: int | None = None
-    parts: tuple[int, ...] | None = None   # column_packed: sizes of the packed parts along dim
-    unit: int = 1                          # shard boundaries are multiples of this (per part)
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise BuildError(f"Rule.kind: expected one of {KINDS}, found {self.kind!r}")
-
-
-@dataclass(frozen=True)
-class AttrUpdate:
-    module: str        # regex over module names (fullmatch)
-    attr: str
-    value: str         # formula in q_local, kv_local, head_dim, tp and config fields (see attribute_updates)
-    required: bool     # False: forward does not read it (set for consistency only)
 
 
 @dataclass(frozen=True)
@@ -110,83 +85,14 @@ class TPPlan:
         raise BuildError(f"tp plan ({self.family}): expected a rule for parameter {name!r}, found none")
 
 
-REPLICATE = Rule("replicate")
-
-
-def _dims(family: str, config) -> tuple[int, int, int]:
-    heads = config.num_attention_heads
-    if family == "llama":
-        kv = config.num_key_value_heads or heads
-        hd = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return heads, kv, hd
-    return heads, heads, config.hidden_size // heads
-
-
-def tp_plan(family: str, config) -> TPPlan:
-    """The tensor-parallel plan of ``family`` with sizes taken from ``config``."""
-    nq, nkv, hd = _dims(family, config)
+def tp_plan(family: str | FamilySpec, config) -> TPPlan:
+    """The tensor-parallel plan of ``family`` (a registered name or a spec) with sizes taken from ``config``."""
+    spec = get_family(family)
+    nq, nkv, hd = spec.dims(config)
     V, H = config.vocab_size, config.hidden_size
-    if family == "gpt2":
-        rules = (
-            (r"transformer\.wte\.weight", Rule("vocab_embedding", 0)),
-            (r"lm_head\.weight", Rule("lm_head", 0)),                 # tied to wte: untie per rank
-            (r"transformer\.wpe\.weight", REPLICATE),
-            (r"transformer\.h\.\d+\.attn\.c_attn\.weight", Rule("column_packed", 1, (H, H, H), hd)),
-            (r"transformer\.h\.\d+\.attn\.c_attn\.bias", Rule("column_packed", 0, (H, H, H), hd)),
-            (r"transformer\.h\.\d+\.attn\.c_proj\.weight", Rule("row", 0, unit=hd)),
-            (r"transformer\.h\.\d+\.attn\.c_proj\.bias", Rule("row_bias")),
-            (r"transformer\.h\.\d+\.mlp\.c_fc\.weight", Rule("column", 1)),
-            (r"transformer\.h\.\d+\.mlp\.c_fc\.bias", Rule("column", 0)),
-            (r"transformer\.h\.\d+\.mlp\.c_proj\.weight", Rule("row", 0)),
-            (r"transformer\.h\.\d+\.mlp\.c_proj\.bias", Rule("row_bias")),
-            (r"transformer\.(h\.\d+\.ln_[12]|ln_f)\.(weight|bias)", REPLICATE),
-        )
-        attn = (
-            AttrUpdate(r"transformer\.h\.\d+\.attn", "split_size", "q_local * head_dim", True),
-            AttrUpdate(r"transformer\.h\.\d+\.attn", "num_heads", "q_local", False),
-            AttrUpdate(r"transformer\.h\.\d+\.attn\.c_attn", "nf", "3 * q_local * head_dim", True),
-            AttrUpdate(r"transformer\.h\.\d+\.mlp\.c_fc", "nf", "inner // tp", True),
-        )
-        notes = ("Conv1D weights are [in, out]: column dim 1, row dim 0",)
-    elif family == "llama":
-        rules = (
-            (r"model\.embed_tokens\.weight", Rule("vocab_embedding", 0)),
-            (r"lm_head\.weight", Rule("lm_head", 0)),
-            (r"model\.layers\.\d+\.self_attn\.q_proj\.(weight|bias)", Rule("column", 0, unit=hd)),
-            (r"model\.layers\.\d+\.self_attn\.[kv]_proj\.(weight|bias)", Rule("kv_column", 0, unit=hd)),
-            (r"model\.layers\.\d+\.self_attn\.o_proj\.weight", Rule("row", 1, unit=hd)),
-            (r"model\.layers\.\d+\.self_attn\.o_proj\.bias", Rule("row_bias")),
-            (r"model\.layers\.\d+\.mlp\.(gate|up)_proj\.(weight|bias)", Rule("column", 0)),
-            (r"model\.layers\.\d+\.mlp\.down_proj\.weight", Rule("row", 1)),
-            (r"model\.layers\.\d+\.mlp\.down_proj\.bias", Rule("row_bias")),
-            (r"model\.(layers\.\d+\.(input|post_attention)_layernorm|norm)\.weight", REPLICATE),
-        )
-        attn = (AttrUpdate(r"model\.layers\.\d+\.self_attn", "num_key_value_groups", "q_local // kv_local", True),)
-        notes = ("rotary_emb.inv_freq / original_inv_freq: non-persistent buffers, replicate",
-                 "qwen2 has q/k/v biases (sharded like their weights, dim 0)")
-    elif family == "bert":
-        rules = (
-            (r"embeddings\.word_embeddings\.weight", Rule("vocab_embedding", 0)),
-            (r"embeddings\.(position|token_type)_embeddings\.weight", REPLICATE),
-            (r"embeddings\.LayerNorm\.(weight|bias)", REPLICATE),
-            (r"encoder\.layer\.\d+\.attention\.self\.(query|key|value)\.(weight|bias)", Rule("column", 0, unit=hd)),
-            (r"encoder\.layer\.\d+\.attention\.output\.dense\.weight", Rule("row", 1, unit=hd)),
-            (r"encoder\.layer\.\d+\.attention\.output\.dense\.bias", Rule("row_bias")),
-            (r"encoder\.layer\.\d+\.intermediate\.dense\.(weight|bias)", Rule("column", 0)),
-            (r"encoder\.layer\.\d+\.output\.dense\.weight", Rule("row", 1)),
-            (r"encoder\.layer\.\d+\.output\.dense\.bias", Rule("row_bias")),
-            (r"encoder\.layer\.\d+\.(attention\.output|output)\.LayerNorm\.(weight|bias)", REPLICATE),
-            (r"pooler\.dense\.(weight|bias)", REPLICATE),
-        )
-        attn = (
-            AttrUpdate(r"encoder\.layer\.\d+\.attention\.self", "num_attention_heads", "q_local", False),
-            AttrUpdate(r"encoder\.layer\.\d+\.attention\.self", "all_head_size", "q_local * head_dim", False),
-        )
-        notes = ("the LayerNorm after each row layer needs the all-reduced sum (+ bias once)",)
-    else:
-        raise BuildError(f"family: expected gpt2, llama or bert, found {family!r}")
     inner = getattr(config, "n_inner", None) or getattr(config, "intermediate_size", None) or 4 * H
-    return TPPlan(family, rules, attn, nq, nkv, hd, V, inner, notes)
+    return TPPlan(spec.name, tuple(spec.tp_rules(config)), tuple(spec.tp_attrs), nq, nkv, hd, V, inner,
+                  tuple(spec.notes))
 
 
 # ---- head and vocab arithmetic -------------------------------------------------------------

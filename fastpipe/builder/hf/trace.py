@@ -9,7 +9,7 @@
 explicit input. ``params`` holds the model's parameters under their
 deduplicated names (``model.named_parameters()``: a tied ``lm_head.weight``
 appears once, as ``transformer.wte.weight``), its persistent buffers (none in
-these families) and, optionally, the non-persistent buffers (Llama
+the built-in families) and, optionally, the non-persistent buffers (Llama
 ``rotary_emb.inv_freq``, BERT ``embeddings.position_ids`` ...): given, they are
 graph inputs like weights; left out, the module's real CPU values are used and
 make_fx records them as ``get_attr`` constants (which the payload encoder lifts
@@ -18,7 +18,7 @@ see ``trace_fake(..., buffers="constants")``.
 
 Flat inputs/outputs (SPEC naming; ``idx`` = position among the flat model
 inputs, resp. outputs, weights not counted):
-  decoders (gpt2, llama), ``past_len`` =
+  decoders (a family spec's ``decoder``: gpt2, llama, mistral, qwen2), ``past_len`` =
     None  no KV cache:  in  input_ids[B,S]                    out logits[B,S,V]
     0     prefill:      in  input_ids[B,S]                    out logits, past_key_values_{l}_{0|1}[B,Hkv,S,D]
     P>0   decode step:  in  input_ids[B,S], past_key_values_{l}_{0|1}[B,Hkv,P,D]
@@ -50,7 +50,8 @@ inputs, resp. outputs, weights not counted):
     such row's keys/values (identical values, so the duplicate write is deterministic): a server
     points its pad rows at a real row's cache row. A serving engine so prefills straight into
     the KV cache its decode step updates: no [B,Hkv,S,D] caches are returned and copied.
-  bert: in input_ids, attention_mask, token_type_ids [B,S] int64 (mask 1 = keep);
+  encoders (``decoder=False``): in input_ids and the spec's ``encoder_inputs``, each [B,S] int64
+        (bert: attention_mask (1 = keep), token_type_ids);
         out last_hidden_state[B,S,H] and, if the model has a pooler, pooler_output[B,H].
 
 The KV cache inside ``fn`` is a transformers ``DynamicCache`` whose layers are
@@ -72,9 +73,10 @@ from typing import Callable
 import torch
 
 from fastpipe.builder.hf.compat import cache_keyword
+from fastpipe.builder.hf.families import FamilySpec, get_family
 from fastpipe.errors import BuildError
 
-# Union of call_function targets seen when tracing the three families with
+# Union of call_function targets seen when tracing the built-in families (gpt2, llama, qwen2, bert) with
 # attn_implementation="eager", fp32 and bf16, with and without a KV cache
 # (torch 2.13, transformers 5.23; tests/test_hf_harness.py checks every trace
 # against it). aten.detach appears only when the traced params require grad
@@ -164,19 +166,12 @@ def _dtype(config, dtype):
     return d if isinstance(d, torch.dtype) else torch.float32
 
 
-def attention_dims(family: str, config) -> tuple[int, int, int, int]:
-    """(num_layers, num_q_heads, num_kv_heads, head_dim) of the unsplit model."""
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    if family == "llama":
-        kv = config.num_key_value_heads or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    else:
-        kv, head_dim = heads, config.hidden_size // heads
-    return layers, heads, kv, head_dim
+def attention_dims(family: str | FamilySpec, config) -> tuple[int, int, int, int]:
+    """(num_layers, num_q_heads, num_kv_heads, head_dim) of the unsplit model (the family's ``dims``)."""
+    return (config.num_hidden_layers, *get_family(family).dims(config))
 
 
-def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int | None = 0, *,
+def flat_signature(family: str | FamilySpec, config, batch: int, seq_len: int, past_len: int | None = 0, *,
                    dtype: torch.dtype | None = None, num_kv_heads: int | None = None,
                    pooler: bool = True, max_len: int | None = None, last_logits: bool = False,
                    cache_rows: int | None = None) -> FlatSignature:
@@ -189,23 +184,24 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
 
     ``dtype``: of the cache and the float outputs (default: config.dtype or
     float32). ``num_kv_heads`` overrides the KV head count (a rank-local
-    module's). ``pooler``: BERT only, whether pooler_output exists.
+    module's). ``pooler``: encoders only, whether pooler_output exists.
     """
+    spec = get_family(family)
     if batch < 1 or seq_len < 1:
         raise BuildError(f"batch, seq_len: expected >= 1, found {batch}, {seq_len}")
     dt = _dtype(config, dtype)
     i64 = torch.int64
     ins: list[tuple] = [("input_ids", (batch, seq_len), i64)]
     outs: list[tuple] = []
-    if family == "bert":
+    if not spec.decoder:
         if past_len not in (None, 0):
-            raise BuildError(f"past_len: expected None or 0 for bert (no KV cache), found {past_len}")
-        ins += [("attention_mask", (batch, seq_len), i64), ("token_type_ids", (batch, seq_len), i64)]
+            raise BuildError(f"past_len: expected None or 0 for {spec.name} (no KV cache), found {past_len}")
+        ins += [(name, (batch, seq_len), i64) for name in spec.encoder_inputs]
         outs.append(("last_hidden_state", (batch, seq_len, config.hidden_size), dt))
         if pooler:
             outs.append(("pooler_output", (batch, config.hidden_size), dt))
         past_len = None
-    elif family in ("gpt2", "llama"):
+    else:
         if cache_rows is not None:
             if max_len is None:
                 raise BuildError("cache_rows: expected with max_len (a prefill into a static cache of cache_rows x "
@@ -226,7 +222,7 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
             if limit and max_len > limit:
                 raise BuildError(f"max_len: expected at most the model's {limit} positions, found {max_len}")
             ins.append(("cache_row" if cache_rows is not None else "cache_position", (batch,), i64))
-            layers, _, kv, head_dim = attention_dims(family, config)
+            layers, _, kv, head_dim = attention_dims(spec, config)
             kv = num_kv_heads or kv
             for layer in range(layers):
                 for which in (0, 1):
@@ -237,25 +233,23 @@ def flat_signature(family: str, config, batch: int, seq_len: int, past_len: int 
         elif past_len is not None:
             if past_len < 0:
                 raise BuildError(f"past_len: expected None or >= 0, found {past_len}")
-            layers, _, kv, head_dim = attention_dims(family, config)
+            layers, _, kv, head_dim = attention_dims(spec, config)
             kv = num_kv_heads or kv
             for layer in range(layers):
                 for which in (0, 1):
                     if past_len > 0:
                         ins.append((kv_name(layer, which), (batch, kv, past_len, head_dim), dt))
                     outs.append((kv_name(layer, which), (batch, kv, past_len + seq_len, head_dim), dt))
-    else:
-        raise BuildError(f"family: expected gpt2, llama or bert, found {family!r}")
-    if last_logits and family == "bert":
-        raise BuildError("last_logits: expected off for bert (an encoder: no logits), found on")
-    if cache_rows is not None and family == "bert":
-        raise BuildError(f"cache_rows: expected None for bert (no KV cache), found {cache_rows!r}")
+    if last_logits and not spec.decoder:
+        raise BuildError(f"last_logits: expected off for {spec.name} (an encoder: no logits), found on")
+    if cache_rows is not None and not spec.decoder:
+        raise BuildError(f"cache_rows: expected None for {spec.name} (no KV cache), found {cache_rows!r}")
     return FlatSignature(
-        family, batch, seq_len, past_len,
+        spec.name, batch, seq_len, past_len,
         tuple(FlatTensor(n, s, d, i) for i, (n, s, d) in enumerate(ins)),
         tuple(FlatTensor(n, s, d, i) for i, (n, s, d) in enumerate(outs)),
-        max_len if family != "bert" else None, bool(last_logits),
-        cache_rows if family != "bert" and max_len is not None else None,
+        max_len if spec.decoder else None, bool(last_logits),
+        cache_rows if spec.decoder and max_len is not None else None,
     )
 
 
@@ -399,7 +393,7 @@ class FlatForward:
         return self.param_names + self.buffer_names
 
 
-def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
+def traced_forward(model, family: str | FamilySpec, config, *, batch: int, seq_len: int,
                    past_len: int | None = 0, num_kv_heads: int | None = None,
                    max_len: int | None = None, last_logits: bool = False,
                    cache_rows: int | None = None) -> FlatForward:
@@ -408,6 +402,7 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
     ``num_kv_heads``: the KV heads the module holds when it is a rank-local
     copy (``plans.local_heads``); only the signature's cache shapes use it.
     """
+    spec = get_family(family)
     non_persistent = tuple(n for n, _ in model.named_non_persistent_buffers())
     params = tuple(n for n, _ in model.named_parameters())
     params += tuple(n for n, _ in model.named_buffers() if n not in non_persistent)
@@ -415,8 +410,8 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
     if model.training:
         raise BuildError("model: expected eval mode (dropout off), found training mode")
     dtype = next(iter(model.parameters())).dtype
-    layers = attention_dims(family, config)[0]
-    sig = flat_signature(family, config, batch, seq_len, past_len, dtype=dtype, pooler=pooler,
+    layers = attention_dims(spec, config)[0]
+    sig = flat_signature(spec, config, batch, seq_len, past_len, dtype=dtype, pooler=pooler,
                          num_kv_heads=num_kv_heads, max_len=max_len, last_logits=last_logits,
                          cache_rows=cache_rows)
     n_in = len(sig.inputs)
@@ -439,11 +434,11 @@ def traced_forward(model, family: str, config, *, batch: int, seq_len: int,
         return torch.func.functional_call(model, dict(ps), (), {
             "input_ids": input_ids, cache_keyword(model): cache, "use_cache": True}).logits
 
-    if family == "bert":
-        def fn(ps, input_ids, attention_mask, token_type_ids):
-            check(ps, (input_ids, attention_mask, token_type_ids))
+    if not spec.decoder:
+        def fn(ps, input_ids, *extra):
+            check(ps, (input_ids, *extra))
             out = torch.func.functional_call(model, dict(ps), (), {
-                "input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids})
+                "input_ids": input_ids, **dict(zip(spec.encoder_inputs, extra))})
             res = (out.last_hidden_state,)
             return res + (out.pooler_output,) if pooler else res
     elif sig.cache_rows is not None:
