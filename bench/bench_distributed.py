@@ -83,8 +83,8 @@ def worker(example: str, repeat: int, warmup: int, out: str) -> None:
         sess.run(x)
         ts.append((time.perf_counter() - t) * 1e3)
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({**_stats(ts), "backend": sess._dist_plan.backend,
-                                         "world": sess._dist_plan.world}))
+        Path(out).write_text(json.dumps({**_stats(ts), "backend": sess.runner.plan.backend,
+                                         "world": sess.runner.plan.world}))
     shutdown()          # lets go of the process groups (destroys the default group fastpipe created)
 
 

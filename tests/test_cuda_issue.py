@@ -455,26 +455,26 @@ def test_a_k_chunk_run_is_one_replayed_function_and_a_traced_run_is_eager(stubbe
     proc = cp.CudaProcessor(ref.program)
     log = backends[0].log
     parts = chunked(ref, 3)
-    outs = proc.run(parts, chunks=3)
+    outs = proc.run(parts)
     assert len(FakeReplay.made) == 1 and FakeReplay.made[0].calls == [sorted(f"{c}\x00{n}" for c in range(3)
                                                                            for n in ("x", "scale"))]
     assert len([e for e in log if e[0] == "fork"]) == 2            # the 3 chunks: one issue, one fork/join
     for part, out in zip(parts, outs):
         torch.testing.assert_close(out["y"], ref.run(part)["y"], rtol=0, atol=0)
-    proc.run(parts[0])                                             # one chunk: a replay of its own, plain names
+    proc.run([parts[0]])                                             # one chunk: a replay of its own, plain names
     assert len(FakeReplay.made) == 2 and FakeReplay.made[1].calls == [["scale", "x"]]
     trace = []
     with pytest.warns(RuntimeWarning, match=r"a traced run is issued eagerly on streams, not replayed"):
-        proc.run(parts, chunks=3, trace=trace)
+        proc.run(parts, trace=trace)
     assert len(trace) == 3 * 6 and len(FakeReplay.made[0].calls) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        proc.run(parts, chunks=3, trace=[])                        # warned once
+        proc.run(parts, trace=[])                        # warned once
     assert proc.memory_report()["cpu"]["measured_peak_bytes"] == 12345
     assert {id(r.turns) for r in FakeReplay.made} == {id(proc.turns)}   # one processor, one turn at a time
     pool = GraphPool()
     proc.use_pool(pool)                                            # every chunk count's graph, made and to be made
-    proc.run(parts[:2], chunks=2)
+    proc.run(parts[:2])
     assert [r.pool for r in FakeReplay.made] == [pool] * 3
     assert proc.turns is pool.turns and all(r.turns is pool.turns for r in FakeReplay.made)
 
@@ -489,10 +489,10 @@ def test_eager_runs_take_the_processors_turn(stubbed_cuda):
     inner = proc.runner.run
     proc.runner.run = lambda parts, trace=None: held.append(proc.turns.lock.locked()) or inner(parts, trace=trace)
     with pytest.warns(RuntimeWarning, match="a traced run is issued eagerly"):
-        proc.run(chunked(ref, 1)[0], trace=[])
+        proc.run([chunked(ref, 1)[0]], trace=[])
     eager = cp.CudaProcessor(ref.program, cuda_graph=False)
     eager.runner.run = lambda parts, trace=None: held.append(eager.turns.lock.locked()) or [{}]
-    eager.run(chunked(ref, 1)[0])
+    eager.run([chunked(ref, 1)[0]])
     assert held == [True, True] and not proc.turns.lock.locked()
 
 
@@ -501,7 +501,7 @@ def test_the_processor_issues_eagerly_without_graphs(stubbed_cuda):
     ref = load_ref("tp_mlp")
     proc = cp.CudaProcessor(ref.program, cuda_graph=False)
     part = chunked(ref, 1)[0]
-    out = proc.run(part)[0]
+    out = proc.run([part])[0]
     assert FakeReplay.made == [] and out["y"].is_inference()
     torch.testing.assert_close(out["y"], ref.run(part)["y"], rtol=0, atol=0)
 

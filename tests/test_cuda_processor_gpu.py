@@ -72,8 +72,8 @@ def test_a_slow_producer_stream_is_waited_for(name, graph):
         proc = CudaProcessor(slowed(sess.program, {key}), cuda_graph=graph, compile_policy="raise")
         for seed in range(3):                              # graph: warm-up, capture, replay
             parts = parts_of(ref, 2, 10 * j + seed)
-            assert_equal_reference(ref, parts, proc.run(parts, chunks=2))
-            assert_equal_reference(ref, parts[:1], proc.run(parts[0]))
+            assert_equal_reference(ref, parts, proc.run(parts))
+            assert_equal_reference(ref, parts[:1], proc.run([parts[0]]))
         if graph:
             assert proc.replays[2].graph is not None and proc.graph is not None
 
@@ -95,7 +95,7 @@ def test_the_race_test_catches_a_missing_wait(monkeypatch):
     wrong = 0
     for seed in range(3):
         part = parts_of(ref, 1, 100 + seed)[0]
-        got = proc.run(part)[0]["y"].cpu()
+        got = proc.run([part])[0]["y"].cpu()
         wrong += not torch.allclose(got, ref.run(part)["y"], rtol=1e-5, atol=1e-5)
     assert wrong >= 1
 
@@ -125,9 +125,9 @@ def test_a_trace_shows_stages_working_on_different_chunks_at_once(tmp_path):
     sess = on_gpu(path, cuda_graph=False)
     proc = CudaProcessor(slowed(sess.program, {("0", 0), ("1", 2)}), cuda_graph=False)
     parts = parts_of(ref, 4, 3)
-    proc.run(parts, chunks=4)                              # warm-up
+    proc.run(parts)                              # warm-up
     trace = []
-    outs = proc.run(parts, chunks=4, trace=trace)
+    outs = proc.run(parts, trace=trace)
     assert_equal_reference(ref, parts, outs)
     assert len(trace) == 4 * 6
     span = {(slot, c): (t0, t1) for slot, label, t0, t1, c in trace if label in ("fp:0:1", "fp:1:6")}
@@ -210,7 +210,7 @@ def test_steps_run_in_inference_mode_and_outputs_are_plain_results(graph):
     proc = CudaProcessor(wrapped(sess.program, recording_inference_mode(modes)), cuda_graph=graph)
     for seed in range(3):
         part = parts_of(ref, 1, seed)[0]
-        out = proc.run(part)[0]
+        out = proc.run([part])[0]
         assert_equal_reference(ref, [part], [out])
         assert all(t.is_inference() and not t.requires_grad for t in out.values())
     assert modes and all(modes)
@@ -266,7 +266,7 @@ def test_slots_on_two_gpus_are_ordered_for_the_caller_on_both(name):
     proc = CudaProcessor(slowed(sess.program, set(compute_keys(sess.program))), cuda_graph=False)
     for seed in range(3):
         parts = parts_of(ref, 2, seed)
-        outs = proc.run(parts, chunks=2)
+        outs = proc.run(parts)
         # read on each output's device right away, on the caller's stream there: no host sync first
         got = [{k: (v * 1).cpu() for k, v in o.items()} for o in outs]
         assert_equal_reference(ref, parts, got)
@@ -305,12 +305,12 @@ def test_a_failed_capture_is_said_and_the_run_goes_on_eagerly():
     proc = CudaProcessor(program, cuda_graph=True, compile_policy="warn")
     assert proc.describe().endswith("replayed as one CUDA graph per chunk count on cuda:0")
     part = parts_of(ref, 1, 0)[0]
-    proc.run(part)                                                    # eager warm-up
+    proc.run([part])                                                    # eager warm-up
     with pytest.warns(RuntimeWarning, match="CUDA-graph capture failed"):
-        out = proc.run(part)
+        out = proc.run([part])
     assert_equal_reference(ref, [part], out)
     assert "CUDA-graph capture failed (" in proc.describe() and proc.graph is None
     strict = CudaProcessor(program, cuda_graph=True, compile_policy="raise")
-    strict.run(part)
+    strict.run([part])
     with pytest.raises(CompileError, match="CUDA-graph capture failed"):
-        strict.run(part)
+        strict.run([part])

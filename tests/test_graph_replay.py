@@ -18,8 +18,9 @@ import torch
 import fastpipe
 from fastpipe.errors import CompileError, InputError
 from fastpipe.options import RunOptions
+from fastpipe.runtime.processors.registry import with_fields
 from fastpipe.runtime.cuda import capture as cuda_capture
-from fastpipe.runtime.cuda.graph_replay import GraphPool, GraphReplay
+from fastpipe.runtime.cuda.graph_replay import GraphPool, GraphReplay, ReplayOptions
 from tests.examples import GRAPHS
 
 CPU = torch.device("cpu")
@@ -412,9 +413,9 @@ def test_no_garbage_collection_inside_a_capture(fake, body_fails, collector_on):
 def test_graph_pool_option_is_checked():
     with pytest.raises(InputError, match="^graph_pool: expected a fastpipe.runtime.cuda.graph_replay.GraphPool or None, "
                                          "found str$"):
-        RunOptions(graph_pool="shared")
+        ReplayOptions(graph_pool="shared")
     pool = GraphPool()
-    assert RunOptions(graph_pool=pool).graph_pool is pool
+    assert with_fields(None, graph_pool=pool).of(ReplayOptions).graph_pool is pool
 
 
 def test_session_compile_captures_so_the_first_run_replays(fake):
@@ -426,7 +427,7 @@ def test_session_compile_captures_so_the_first_run_replays(fake):
     calls = []
     inner = sess.runner._run_env
     sess.runner.replay = r = GraphReplay(lambda ins: (calls.append(1), inner(ins))[1], CPU,
-                                         pool=sess.run_options.graph_pool)
+                                         pool=sess.run_options.of(ReplayOptions).graph_pool)
     sess.compile()
     assert r.replaying and len(calls) == 2 and r.replays == 0    # warm-up run, then the capture
     sess.run({"x": torch.randn(8, 64)})
@@ -444,7 +445,7 @@ def test_a_dropped_session_with_a_captured_replay_frees_its_weights_at_once(fake
 
     store = WeightStore()
     sess = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="region", store=store, graph_pool=GraphPool(), compile="off")
-    sess.runner.replay = r = GraphReplay(weak_method(sess.runner._run_env), CPU, pool=sess.run_options.graph_pool)
+    sess.runner.replay = r = GraphReplay(weak_method(sess.runner._run_env), CPU, pool=sess.run_options.of(ReplayOptions).graph_pool)
     sess.compile()
     sess.run({"x": torch.randn(8, 64)})
     assert r.replays == 1
@@ -462,12 +463,14 @@ def test_buckets_warm_up_largest_first_in_one_pool_on_the_engines_caches(monkeyp
     """Order and plumbing only (a CPU has no graph to capture, so every bucket is made to look as if it
     had one): the buckets share one GraphPool, warm up largest first (batch x length of input_ids), and
     the engine's decode and prefill buckets are captured on the engine's own caches."""
-    from fastpipe.generation.buckets import ServingBuckets
-    from fastpipe.generation.engine import Engine
+    from fastpipe.serving.buckets import ServingBuckets
+    from fastpipe.serving.engine import Engine
     from fastpipe.session import Session
 
+    from fastpipe.runtime.processors.region import RegionProcessor
+
     seen = []
-    monkeypatch.setattr(Session, "_graph_replays", lambda self: [types.SimpleNamespace()])   # a "replay"
+    monkeypatch.setattr(RegionProcessor, "graph_replays", lambda self: [types.SimpleNamespace()])   # a "replay"
     monkeypatch.setattr(Session, "compile", lambda self, inputs=None, capture=True: seen.append((self, inputs, capture)))
     with Engine(SET, eos_token_id=None, compile=False) as eng:
         bs = eng.buckets
@@ -477,20 +480,20 @@ def test_buckets_warm_up_largest_first_in_one_pool_on_the_engines_caches(monkeyp
         assert seen[0][1]["cache_row"].tolist() == [0, 0]          # pad rows only, into row 0 (nobody's yet)
         assert seen[1][2] and all(seen[1][1][n] is t for n, t in eng.kv.tensors.items())
         assert isinstance(bs.graph_pool, GraphPool)
-        assert all(s.run_options.graph_pool is bs.graph_pool for s in bs.sessions())
-        assert all(s.run_options.alias_outputs for s in bs.sessions())    # replays hand out their buffers
+        assert all(s.run_options.of(ReplayOptions).graph_pool is bs.graph_pool for s in bs.sessions())
+        assert all(s.run_options.of(ReplayOptions).alias_outputs for s in bs.sessions())    # replays hand out their buffers
         seen.clear()
         eng.buckets.decodes[2].compile_report = bs.prefills[(2, 8)].compile_report = None
         eng.buckets.warmup()             # no caches given: no bucket with state is captured on seeded ones
         assert seen == []                # (and compile=False: nothing to compile either)
     mine = GraphPool()
-    for kw in ({"graph_pool": mine}, {"run_options": RunOptions(processor="region", graph_pool=mine)}):
+    for kw in ({"graph_pool": mine}, {"run_options": with_fields(None, processor="region", graph_pool=mine)}):
         bs = ServingBuckets(SET, **kw)
-        assert bs.graph_pool is mine and all(s.run_options.graph_pool is mine for s in bs.sessions())
+        assert bs.graph_pool is mine and all(s.run_options.of(ReplayOptions).graph_pool is mine for s in bs.sessions())
         bs.close()
     bs = ServingBuckets(SET, run_options=RunOptions(processor="region"))
-    assert isinstance(bs.graph_pool, GraphPool) and all(s.run_options.graph_pool is bs.graph_pool for s in bs.sessions())
-    assert all(s.run_options.alias_outputs for s in bs.sessions())
+    assert isinstance(bs.graph_pool, GraphPool) and all(s.run_options.of(ReplayOptions).graph_pool is bs.graph_pool for s in bs.sessions())
+    assert all(s.run_options.of(ReplayOptions).alias_outputs for s in bs.sessions())
     bs.close()
 
 

@@ -10,12 +10,13 @@ import torch
 import fastpipe
 from fastpipe.errors import InputError
 from fastpipe.lower import check_program, format_table
-from fastpipe.options import LoadOptions, RunOptions, choose_processor
+from fastpipe.options import LoadOptions, RunOptions
+from fastpipe.runtime.processors.registry import choose_processor, with_fields
 from tests.examples import GRAPHS
 
 RUNTIME = Path(fastpipe.__file__).parent / "runtime"
-PROCESSOR_MODULES = ["reference.py", "cpu_processor.py", "cuda_processor.py", "stream_issue.py", "dist_processor.py",
-                    "execute.py"]
+PROCESSOR_MODULES = ["processors/base.py", "processors/reference.py", "processors/cpu.py", "processors/cuda.py",
+                    "processors/region.py", "processors/dist.py", "cuda/stream_issue.py", "execute.py"]
 SESSION_PRIVATE = {"session", "_binder", "_compute_steps", "_comm_steps", "_input_devices", "_dist_plan", "_runner"}
 
 
@@ -49,7 +50,7 @@ def test_the_session_runs_its_bound_program(processor):
         return fn(xs)
 
     program.steps[slot] = tuple(dataclasses.replace(s, fn=spy) if j == i else s for j, s in enumerate(program.steps[slot]))
-    sess._processor = type(sess.runner)(program)
+    sess._processor = type(sess.runner)(program).attach(sess.runner.prepared)
     sess.run({"x": torch.randn(8, 64)})
     assert calls == [len(st.reads)]
 
@@ -94,12 +95,16 @@ def test_options_are_frozen_and_validated():
         ({"compile_policy": "ignore"}, 'compile_policy: expected warn or raise, found "ignore"'),
         ({"cuda_graph": 1}, "cuda_graph: expected true or false, found 1"),
         ({"fuse": "yes"}, 'fuse: expected auto, off or always, found "yes"'),
-        ({"processor": "cpu", "slot_ranks": {"0": 0}}, 'slot_ranks: expected processor="dist", found processor="cpu"'),
         ({"dist_timeout": 0}, "dist_timeout: expected a number of seconds > 0, found 0"),
     ]:
-        with pytest.raises(InputError) as e:
-            RunOptions(**kwargs)
+        with pytest.raises(InputError) as e:      # each field checked by the dataclass that holds it
+            with_fields(None, **kwargs)
         assert str(e.value) == message
+    with pytest.raises(InputError) as e:          # a dist-only option given to another processor
+        fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="cpu", slot_ranks={"0": 0}, compile="off")
+    assert str(e.value) == 'slot_ranks: expected processor="dist", found processor="cpu"'
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cuda_graphs'"):
+        with_fields(None, cuda_graphs=False)
     with pytest.raises(InputError, match="^check_payloads: expected true or false, found None$"):
         LoadOptions(check_payloads=None)
 

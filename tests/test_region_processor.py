@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import fastpipe
 from fastpipe.errors import CompileError, RunError
 from fastpipe.lower import lower, simulate, with_regions
-from fastpipe.options import choose_processor
+from fastpipe.runtime.processors.registry import choose_processor
 from tests.docs import write_bad_index_pipeline
 from tests.examples import EXAMPLES, GRAPHS, copy_example
 from tests.test_processors import fresh_inputs
@@ -268,13 +268,13 @@ def test_regions_across_devices_run_their_cross_device_groups_by_the_reference()
     assert [r.device for r in program.regions] == ["A"] + [None] * len(ref.program.groups) + ["B"]
     proc = RegionProcessor(program, ref.checked.groups)
     ins = fresh_inputs(ref, 4)
-    _equal(ref.run(ins), proc.run(ins)[0], tol=1e-6)
+    _equal(ref.run(ins), proc.run([ins])[0], tol=1e-6)
     tp = fastpipe.load(GRAPHS / "tp_mlp" / "pipeline.json", processor="reference")
     program = with_regions(tp.program, {"0": "A", "1": "B"})
     devices = [r.device for r in program.regions]
     assert devices.count(None) == len(tp.program.groups)          # every group crosses
     ins = fresh_inputs(tp, 5)
-    _equal(tp.run(ins), RegionProcessor(program, tp.checked.groups).run(ins)[0], tol=1e-6)
+    _equal(tp.run(ins), RegionProcessor(program, tp.checked.groups).run([ins])[0], tol=1e-6)
     assert len(simulate(program)) == sum(len(s) for s in program.steps.values())
 
 
@@ -293,7 +293,7 @@ def test_opaque_groups_run_their_bound_callable():
     program = dataclasses.replace(program, group_fns=fns)
     proc = RegionProcessor(program, ref.checked.groups, opaque_groups=set(fns), merge_shards=False)
     ins = fresh_inputs(ref, 7)
-    _equal(ref.run(ins), proc.run(ins)[0])
+    _equal(ref.run(ins), proc.run([ins])[0])
     assert sorted(calls) == sorted(fns)
 
 

@@ -342,8 +342,6 @@ def test_refusals(static):
     assert all(torch.equal(ins[n], before[n]) for n in ins)
     with pytest.raises(InputError, match='^state_in_place: .*found processor="dist"$'):
         fastpipe.load(path, processor="dist", state_in_place=True)
-    with pytest.raises(InputError, match='^state_in_place: .*found processor="dist"$'):
-        RunOptions(processor="dist", state_in_place=True)
     with pytest.raises(InputError, match="^state_in_place: expected true or false"):
         RunOptions(state_in_place="yes")
 

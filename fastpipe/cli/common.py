@@ -17,14 +17,15 @@ def load_options(args):
 
 
 def run_options(args, **overrides):
-    """The RunOptions of the run flags (processor auto unless --processor)."""
-    from fastpipe.options import RunOptions
+    """The RunOptions of the run flags (processor auto unless --processor), each field routed to its
+    dataclass (fastpipe.runtime.processors.registry.with_fields)."""
+    from fastpipe.runtime.processors.registry import with_fields
 
     fields = dict(processor=args.processor, compile=compile_mode(args), compile_policy=args.compile_errors,
                   cuda_graph=not args.no_cuda_graph, merge_shards=not getattr(args, "no_merge_shards", False),
                   fuse=getattr(args, "fuse", "auto"))
     fields.update(overrides)
-    return RunOptions(**fields)
+    return with_fields(None, **fields)
 
 
 def compile_mode(args) -> str:

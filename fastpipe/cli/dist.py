@@ -75,7 +75,9 @@ def launch(nproc: int, argv: list[str]) -> int:
 # ------------------------------------------------------------------------------ `fastpipe run` on a rank
 def wants_dist(args) -> bool:
     """`fastpipe run` goes multi-process with --nproc, --processor dist, or auto under torchrun."""
-    multi = args.nproc is not None or args.processor == "dist" or (args.processor == "auto" and "WORLD_SIZE" in os.environ)
+    from fastpipe.runtime.processors.registry import runs_per_rank
+
+    multi = args.nproc is not None or runs_per_rank(args.processor, os.environ)
     if not multi and args.slot_ranks:
         raise InputError(f"--slot-ranks: expected a multi-process run (torchrun, --nproc N or --processor dist), "
                          f"found --processor {args.processor}")
@@ -86,8 +88,11 @@ def _check_common(args) -> None:
     check_counts(args)
     if not args.dist_timeout > 0:
         raise InputError(f"--dist-timeout: expected seconds > 0, found {args.dist_timeout:g}")
-    if args.processor not in ("auto", "dist"):
-        raise InputError(f"--processor: expected auto or dist for a multi-process run, found {args.processor}")
+    from fastpipe.runtime.processors.registry import AUTO, per_rank_processors
+
+    if args.processor != AUTO and args.processor not in per_rank_processors():
+        raise InputError(f"--processor: expected {' or '.join((AUTO,) + per_rank_processors())} for a multi-process "
+                         f"run, found {args.processor}")
 
 
 def cli_run(args) -> int:
@@ -228,7 +233,7 @@ def _rank_main(args, rank: int) -> int:
     if not lead:
         runner.close()
         return 0
-    plan = sess.rank_plan
+    plan = sess.runner.plan
     ms = sorted(x * 1e3 for x in times)
     print(f"{p.name}: dist processor, {plan.world} ranks ({plan.backend}); loaded in {load_s * 1e3:.1f} ms{compile_msg}; "
           f"{args.repeat} runs: median {statistics.median(ms):.3f} ms, min {ms[0]:.3f} ms, max {ms[-1]:.3f} ms")

@@ -17,6 +17,7 @@ import traceback
 from fastpipe.cli import build, generate, run, show, tune
 from fastpipe.cli.common import EXIT_FAILED
 from fastpipe.errors import FastpipeError, InputError
+from fastpipe.runtime.processors.registry import AUTO, processor_names
 
 
 PROG = "fastpipe"
@@ -155,7 +156,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed for random inputs (default 0)")
     r.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     r.add_argument("--repeat", type=int, default=5, help="timed runs (default 5)")
-    r.add_argument("--processor", choices=("auto", "reference", "region", "cpu", "cuda", "dist"), default="auto",
+    r.add_argument("--processor", choices=(AUTO,) + processor_names(), default="auto",
                    help="auto (default): dist under torchrun or with --nproc, else region when every slot is on one "
                         "device (one compiled graph per device), else cuda when every slot is on a GPU, else cpu "
                         "(a thread per slot)")
@@ -278,7 +279,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, metavar="B",
                    help="decode bucket to run on (default: the smallest built; the prompt takes one of its rows)")
     g.add_argument("--ids", action="store_true", help="print token ids even when the folder has a tokenizer")
-    g.add_argument("--processor", choices=("auto", "reference", "region", "cpu", "cuda"), default="auto",
+    g.add_argument("--processor", choices=(AUTO,) + processor_names(one_process=True), default="auto",
                    help="as for `fastpipe run` (default auto)")
     g.add_argument("--device-map", metavar="MAP", help="slot placement, e.g. 0=cpu,1=cuda:0")
     g.add_argument("--compile", choices=("background", "wait", "off"), default="background",

@@ -19,7 +19,7 @@ def _settle(sess, inputs, chunks: int, max_calls: int = 16) -> str:
             break
         sess.wait_compiled()
         sess.run(inputs, chunks=chunks)
-    if not sess._compiled() or all(cg.skipped for cg in sess._compiled().values()):
+    if not sess.compiled_graphs() or all(cg.skipped for cg in sess.compiled_graphs().values()):
         return ""
     return f"; compiled in the background, settled after {time.perf_counter() - t:.1f} s more"
 
@@ -80,10 +80,11 @@ def cmd_run(args) -> int:
           f"{timed}")
     for d in sess.fusion:              # what the fusion policy (--fuse) did with each candidate group, and why
         print("fusion: " + d.line())
-    if sess.processor == "cuda":       # measured peak GPU memory next to the plan's prediction
+    memory = sess.memory_report()
+    if any("measured_peak_bytes" in r for r in memory.values()):   # measured peak GPU memory beside the plan's
         from fastpipe.runtime.cuda.stream_issue import format_memory_report
 
-        for line in format_memory_report(sess.memory_report()):
+        for line in format_memory_report(memory):
             print(f"memory: {line}")
     return report_results(args, outs, expected)
 

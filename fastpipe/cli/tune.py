@@ -132,13 +132,13 @@ def _record(path, args) -> tuple[str, list]:
     and run once on seeded random inputs; no calls where no group fuses (said, with each group's reason)."""
     from fastpipe.format import read_pipeline
     from fastpipe.kernels import calls
-    from fastpipe.options import RunOptions
+    from fastpipe.runtime.processors.registry import with_fields
     from fastpipe.random_inputs import random_inputs
     from fastpipe.session import Session
 
     p = read_pipeline(str(path))
     sess = Session(p, device_map=device_map_of(args), load_options=load_options(args),
-                   run_options=RunOptions(processor="auto", fuse="always", cuda_graph=False))
+                   run_options=with_fields(None, processor="auto", fuse="always", cuda_graph=False))
     try:
         if not any(d.fused for d in sess.fusion):
             for d in sess.fusion:
@@ -157,7 +157,7 @@ def _record(path, args) -> tuple[str, list]:
 
 def _pipeline_paths(given: list[str]) -> list[Path]:
     """The pipeline.json files named, a folder standing for every */pipeline.json in it (a serving set)."""
-    from fastpipe.generation.buckets import pipeline_paths
+    from fastpipe.serving.buckets import pipeline_paths
 
     out = []
     for g in given:

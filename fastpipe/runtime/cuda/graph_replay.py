@@ -55,11 +55,12 @@ from __future__ import annotations
 
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
 
-from fastpipe.errors import CompileError
+from fastpipe.errors import CompileError, InputError
 from fastpipe.runtime.cuda.capture import capture
 from fastpipe.torch_compat import foreach_copy_
 
@@ -107,6 +108,32 @@ class GraphPool:
 
     def __repr__(self) -> str:
         return f"GraphPool(graphs={self.graphs})"
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """The whole-run CUDA graph of the processors that replay one (cuda, region): given in
+    RunOptions.processor_options, or as fastpipe.load's keywords of the same names."""
+    cuda_graph: bool = True
+    """On one GPU: capture the whole run as one CUDA graph and replay it (captured by Session.compile at
+    warm-up, else at the second run)."""
+    alias_outputs: bool = False
+    """A replayed run returns the graph's own output buffers, not clones: no copy out, and no memory for
+    the copies, but each output is valid only until the next run of this session (in a shared graph_pool:
+    of any session in the pool), which overwrites it. For a caller that consumes each run's outputs
+    before the next (the serving engine's buckets). State outputs are the state buffers either way."""
+    graph_pool: GraphPool | None = None
+    """The CUDA graph shares this memory pool with the other sessions' graphs in it (a serving set's
+    buckets: capture the largest first). Their replays take turns (one lock), so give sessions meant to
+    run in parallel pools of their own. None: a private pool."""
+
+    def __post_init__(self):
+        for name in ("cuda_graph", "alias_outputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name}: expected true or false, found {getattr(self, name)!r}")
+        if self.graph_pool is not None and not isinstance(self.graph_pool, GraphPool):
+            raise InputError(f"graph_pool: expected a fastpipe.runtime.cuda.graph_replay.GraphPool or None, found "
+                             f"{type(self.graph_pool).__name__}")
 
 
 class GraphReplay:

@@ -26,6 +26,7 @@ import torch
 from fastpipe.errors import FastpipeError, RunError
 from fastpipe.lower.program import Program
 from fastpipe.runtime.execute import run_compute, run_group
+from fastpipe.runtime.processors.base import Processor
 
 
 class _Abort(Exception):
@@ -70,17 +71,20 @@ class _Run:
                 raise _Abort()
 
 
-class ThreadedProcessor:
+class ThreadedProcessor(Processor):
+    name = "cpu"
+    folds_gemms = True
+    writes_state_in_steps = True
+
     def __init__(self, program: Program):
         self.program = program
         self.outputs = tuple(program.outputs)
         self.keep = set(self.outputs)
 
-    def run(self, inputs: Mapping[str, torch.Tensor], *, chunks: int = 1, trace: list | None = None):
-        """`inputs` already hold one micro-batch per chunk: inputs[c][name]."""
-        chunked = inputs if chunks > 1 else [inputs]
-        envs = [dict(c) for c in chunked]
-        run = _Run(self.program, chunks, trace)
+    def run(self, parts: list[dict], *, trace: list | None = None) -> list[dict]:
+        """`parts`: one dict of named tensors per micro-batch (chunk), issued together, fill-drain."""
+        envs = [dict(c) for c in parts]
+        run = _Run(self.program, len(parts), trace)
         threads = [threading.Thread(target=self._slot, args=(run, slot, envs), name=f"fastpipe-slot-{slot}", daemon=True)
                    for slot in self.program.slots]
         for t in threads:

@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Mapping
 
 import torch
 
 from fastpipe.errors import InputError
 from fastpipe.lower.program import Program
-from fastpipe.runtime.cuda.graph_replay import GraphReplay, Turns
+from fastpipe.runtime.cuda.graph_replay import GraphReplay, ReplayOptions, Turns
+from fastpipe.runtime.processors.base import Placement, Prepared, Processor
 from fastpipe.runtime.binding.release import weak_method
 from fastpipe.runtime.cuda.stream_issue import (
     CudaBackend,
@@ -65,7 +67,27 @@ def check_cuda_devices(slot_devices) -> None:
                          f"found {slot_devices[bad[0]]}")
 
 
-class CudaProcessor:
+class CudaProcessor(Processor):
+    name = "cuda"
+    options = (ReplayOptions,)
+    folds_gemms = True
+    writes_state_in_steps = True
+
+    @classmethod
+    def place(cls, pipeline, slot_devices: dict, run_options) -> Placement:
+        check_cuda_devices(slot_devices)
+        return super().place(pipeline, slot_devices, run_options)
+
+    @classmethod
+    def prepare(cls, program: Program, prepared: Prepared) -> "CudaProcessor":
+        ro = prepared.run_options
+        replay = ro.of(ReplayOptions)
+        proc = cls(program, cuda_graph=replay.cuda_graph, compile_policy=ro.compile_policy,
+                   alias_outputs=replay.alias_outputs, state=prepared.state)
+        if replay.graph_pool is not None:
+            proc.use_pool(replay.graph_pool)               # every chunk count's graph
+        return proc.attach(prepared)
+
     def __init__(self, program: Program, *, cuda_graph: bool = True, compile_policy: str = "warn",
                  alias_outputs: bool = False, state=None):
         slot_devices = {slot: program.steps[slot][0].device for slot in program.slots if program.steps[slot]}
@@ -126,10 +148,10 @@ class CudaProcessor:
             r.use_pool(pool)
 
     # ------------------------------------------------------------------ public
-    def run(self, inputs, *, chunks: int = 1, trace: list | None = None):
-        """`inputs`: one dict of named tensors, or (chunks > 1) a list with one per micro-batch.
-        Returns a list with each micro-batch's outputs."""
-        parts = list(inputs) if chunks > 1 else [inputs]
+    def run(self, parts: list[dict], *, trace: list | None = None) -> list[dict]:
+        """`parts`: one dict of named tensors per micro-batch, issued in one pass (fill-drain) or
+        replayed as one graph per number of parts. Returns a list with each micro-batch's outputs."""
+        parts = list(parts)
         if trace is not None or not self.use_graph:
             if trace is not None and self.use_graph and not self._warned_trace:
                 self._warned_trace = True
@@ -145,13 +167,22 @@ class CudaProcessor:
         """(slot, step index, chunk) in the order a k-chunk run issues them."""
         return self.runner.chunk_order(chunks)
 
+    def graph_replays(self) -> list:
+        return [self.replay] if self.use_graph else []
+
+    def gate_replays(self, ready) -> None:
+        self.replay_ready = ready                              # every chunk count's replay, made and to be made
+        for r in self.replays.values():
+            r.ready = ready
+
     def describe(self) -> str:
         """How it runs, in a few words (e.g. for Session.describe)."""
         failed = next((r.failure for r in self.replays.values() if r.failure is not None), None)
         how = ("issued eagerly on streams" if not self.use_graph
                else f"CUDA-graph capture failed ({failed}): issued eagerly on streams" if failed is not None
                else f"replayed as one CUDA graph per chunk count on {self.device}")
-        return f"{len(self.streams)} streams on {', '.join(map(str, self.devices))}; {how}"
+        more = super().describe()
+        return f"{len(self.streams)} streams on {', '.join(map(str, self.devices))}; {how}" + (f", {more}" if more else "")
 
     # ------------------------------------------------------------------ memory
     def reset_peak_memory(self) -> None:
@@ -160,7 +191,7 @@ class CudaProcessor:
         for d in self.devices:
             torch.cuda.reset_peak_memory_stats(d)
 
-    def memory_report(self, peak=None) -> dict[str, dict]:
+    def memory_report(self, peak: Mapping[str, int] | None = None) -> dict[str, dict]:
         """Per device (str): {"slots", "measured_peak_bytes" (torch.cuda.max_memory_allocated since the
         construction or reset_peak_memory(): every tensor of this process on that device counts, the
         caller's inputs included; a replay allocates nothing, so a peak taken over replays counts the

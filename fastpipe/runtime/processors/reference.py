@@ -16,17 +16,26 @@ import torch
 from fastpipe.lower.check import simulate
 from fastpipe.lower.program import Program
 from fastpipe.runtime.execute import run_compute, run_group
+from fastpipe.runtime.processors.base import Processor
 
 
-class ReferenceProcessor:
+class ReferenceProcessor(Processor):
+    name = "reference"
+    background_compile = "eager"          # the oracle: nothing swapped under it (compile="wait" compiles)
+
     def __init__(self, program: Program):
         self.program = program
         self.order = simulate(program)
         self.keep = set(program.outputs)
 
+    def run(self, parts: list[dict], *, trace: list | None = None) -> list[dict]:
+        """Each part (micro-batch) in turn, one step at a time."""
+        t0 = time.perf_counter()
+        return [self._run_one(part, events=trace, chunk=c, t0=t0) for c, part in enumerate(parts)]
+
     @torch.inference_mode()
-    def run(self, inputs: Mapping[str, torch.Tensor], *, events: list | None = None, chunk: int = 0,
-            t0: float = 0.0) -> dict[str, torch.Tensor]:
+    def _run_one(self, inputs: Mapping[str, torch.Tensor], *, events: list | None, chunk: int,
+                 t0: float) -> dict[str, torch.Tensor]:
         program, env = self.program, dict(inputs)
         pending: dict[str, float] = {}       # group -> start time (its members complete together)
         for slot, i in self.order:

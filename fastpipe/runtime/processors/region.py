@@ -26,17 +26,20 @@ from __future__ import annotations
 import hashlib
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
 
 from fastpipe.comm import local
-from fastpipe.errors import FastpipeError, RunError
+from fastpipe.errors import FastpipeError, InputError, RunError
 from fastpipe.lower.program import Program
 from fastpipe.lower.regions import Region, by_unit
 from fastpipe.runtime.execute import call, group_where, labelled, run_compute, run_group, step_args
 from fastpipe.runtime.binding.inputs import dense, to_device
 from fastpipe.runtime.binding.release import release_with, weak_method
+from fastpipe.runtime.cuda.graph_replay import ReplayOptions
+from fastpipe.runtime.processors.base import Placement, Prepared, Processor
 
 _COMPILED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
 
@@ -78,7 +81,41 @@ class _RegionRun:
         self.device = device            # the torch.device its steps are bound to (None: across devices)
 
 
-class RegionProcessor:
+@dataclass(frozen=True)
+class RegionOptions:
+    """The region processor's own options (RunOptions.processor_options, or fastpipe.load's keywords)."""
+    merge_shards: bool = True
+    """Matmuls the split cut into shards run as one GEMM again on one device (fastpipe.runtime.passes.region_passes)."""
+
+    def __post_init__(self):
+        if not isinstance(self.merge_shards, bool):
+            raise InputError(f"merge_shards: expected true or false, found {self.merge_shards!r}")
+
+
+class RegionProcessor(Processor):
+    name = "region"
+    options = (ReplayOptions, RegionOptions)
+    cuts_regions = True
+    compiles_steps = False              # it compiles whole regions; its steps stay eager (for locating failures)
+
+    @classmethod
+    def passes(cls, program: Program, placement: Placement) -> Program:
+        """Steps cut into one-device regions (fastpipe.lower.regions), stitched at prepare."""
+        from fastpipe.lower import with_regions
+
+        return with_regions(program, {s: str(d) for s, d in placement.slot_devices.items()})
+
+    @classmethod
+    def prepare(cls, program: Program, prepared: Prepared) -> "RegionProcessor":
+        ro = prepared.run_options
+        replay = ro.of(ReplayOptions)
+        return cls(program, prepared.checked.groups, compile=prepared.compiles, compile_policy=ro.compile_policy,
+                   background=prepared.background, cuda_graph=replay.cuda_graph,
+                   merge_shards=ro.of(RegionOptions).merge_shards,
+                   opaque_groups={d.group for d in prepared.fusion if d.fused}, state=prepared.state,
+                   graph_pool=replay.graph_pool, alias_outputs=replay.alias_outputs,
+                   substitute=prepared.store.substitute).attach(prepared)
+
     def __init__(self, program: Program, groups: Mapping, *, compile: bool = False, compile_policy: str = "warn",
                  background: bool = False, cuda_graph: bool = True, merge_shards: bool = True, opaque_groups=(),
                  state: Mapping[str, str] | None = None, graph_pool=None, alias_outputs: bool = False,
@@ -235,6 +272,8 @@ class RegionProcessor:
         ops the compiled call's fixed cost (guards, wrappers: tens of microseconds) can exceed what it
         saves; the choice and both times are in describe(). CUDA regions keep the compiled graph (replay
         hides the per-call cost). Tiered regions compiled by Session.compile (finish()) are settled here too."""
+        if not self.compile:
+            return
         env = dict(inputs)
         with torch.inference_mode():
             for run in self.runs:
@@ -250,6 +289,12 @@ class RegionProcessor:
                     env.update(zip(r.writes, run.fn(*args)))
                 for n in r.frees:
                     env.pop(n, None)
+
+    def graph_replays(self) -> list:
+        return [self.replay] if self.replay is not None else []
+
+    def written_in_place(self) -> frozenset:
+        return self._state_outputs          # every state output, written inside the region graphs
 
     def compiled_graphs(self) -> dict[str, object]:
         """Region name -> its CompiledGraph (compile=True)."""
@@ -270,19 +315,8 @@ class RegionProcessor:
         return out
 
     # ------------------------------------------------------------------ running
-    def capture(self, inputs: Mapping[str, torch.Tensor]) -> bool:
-        """Capture the whole run as one CUDA graph now, on `inputs` (one dict, as run() takes), so the
-        next run replays it (GraphReplay.capture: the capture runs nothing; their state tensors become
-        the graph's buffers). Returns whether a graph is held: False without one here (not one GPU, or
-        cuda_graph=False) or after a failed capture (policy "warn": warned, with the reason)."""
-        if self.replay is None:
-            return False
-        with torch.inference_mode():
-            return self.replay.capture(inputs)
-
-    def run(self, inputs, *, chunks: int = 1, trace: list | None = None):
-        """`inputs`: one dict of named tensors, or (chunks > 1) a list with one per micro-batch."""
-        parts = inputs if chunks > 1 else [inputs]
+    def run(self, parts: list[dict], *, trace: list | None = None) -> list[dict]:
+        """`parts`: one dict of named tensors per micro-batch, run one after another."""
         t0 = time.perf_counter()
         with torch.inference_mode():
             if trace is None and self.replay is not None:
