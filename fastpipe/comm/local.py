@@ -13,6 +13,10 @@ member order, concatenated as the group's writes - but without the reference's c
     all_to_all      chunk each input along src_dim, cat the i-th chunks along dst_dim
     broadcast, p2p  the input itself (an alias)
 
+LOCAL_KINDS maps each group kind (fastpipe.format.comm_kinds) to `(params, n) -> LocalComm`;
+a new kind registers its one-device form with `LOCAL_KINDS.register(kind, factory)`. Its fn
+is called in the region graph as `fn(xs, *args)` on the inputs of the members that hold one.
+
 Outputs may alias an input and each other. That is safe because every graph the region runs
 is functional (torch.export / the producer's graphs never mutate their inputs) and a compiler
 that sees the whole region (inductor) turns the aliases into nothing at all.
@@ -31,7 +35,9 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from fastpipe.format.comm_kinds import KindTable
 from fastpipe.format.reduce_ops import canonical_reduce_op
+
 
 def fold(xs: Sequence[Tensor], op: str) -> Tensor:
     """op(x_0, ..., x_{n-1}) as fastpipe.comm.reference computes it (`op` canonical)."""
@@ -88,21 +94,31 @@ class LocalComm:
         return [vals[j] for j in self.take]
 
 
+def _op(params: dict) -> str:
+    return canonical_reduce_op(params["reduce_op"])
+
+
+def _every(n: int) -> tuple[int, ...]:
+    return (0,) * n                      # every member writes result 0
+
+
+def _each(n: int) -> tuple[int, ...]:
+    return tuple(range(n))               # member k writes result k
+
+
+# group kind -> (params, n) -> its LocalComm (kind and params as validated; n members)
+LOCAL_KINDS: KindTable = KindTable("fastpipe.comm.local.LOCAL_KINDS", {
+    "p2p": lambda p, n: LocalComm("p2p", None, (), False, (0,)),
+    "broadcast": lambda p, n: LocalComm("broadcast", None, (), False, _every(n)),
+    "all_reduce": lambda p, n: LocalComm("all_reduce", fold, (_op(p),), True, _every(n)),
+    "reduce": lambda p, n: LocalComm("reduce", fold, (_op(p),), True, (0,)),
+    "all_gather": lambda p, n: LocalComm("all_gather", cat, (p["dim"],), True, _every(n)),
+    "gather": lambda p, n: LocalComm("gather", cat, (p["dim"],), True, (0,)),
+    "reduce_scatter": lambda p, n: LocalComm("reduce_scatter", scatter, (_op(p), n, p["dim"]), False, _each(n)),
+    "all_to_all": lambda p, n: LocalComm("all_to_all", all_to_all, (n, p["src_dim"], p["dst_dim"]), False, _each(n)),
+})
+
+
 def group_fn(kind: str, params: dict, n: int) -> LocalComm:
     """The one-device form of a comm group of `n` members (kind and params as validated)."""
-    op = canonical_reduce_op(params["reduce_op"]) if "reduce_op" in params else None
-    dim = params.get("dim")
-    every, each = (0,) * n, tuple(range(n))
-    table = {
-        "p2p": (None, (), False, (0,)),
-        "broadcast": (None, (), False, every),
-        "all_reduce": (fold, (op,), True, every),
-        "reduce": (fold, (op,), True, (0,)),
-        "all_gather": (cat, (dim,), True, every),
-        "gather": (cat, (dim,), True, (0,)),
-        "reduce_scatter": (scatter, (op, n, dim), False, each),
-        "all_to_all": (all_to_all, (n, params.get("src_dim"), params.get("dst_dim")), False, each),
-    }
-    if kind not in table:  # pragma: no cover - the validator admits no other kind
-        raise AssertionError(kind)
-    return LocalComm(kind, *table[kind])
+    return LOCAL_KINDS[kind](params, n)

@@ -53,6 +53,14 @@ dtype rules:
   (two's complement), as torch's ``+`` and NCCL do.
 * bool: ``sum`` is logical OR (a saturating add, so the result stays a
   bool), ``max`` is OR and ``min`` is AND.
+
+The table
+---------
+``REFERENCE_KINDS`` holds every group kind (fastpipe.format.comm_kinds) in one shape:
+``fn(xs, params, devices) -> outputs``, where ``xs`` are the inputs of the members that hold
+one, in member order, ``params`` the group's canonical params (fastpipe.validate.comm_groups:
+slots as member indices) and ``outputs`` every member's outputs, in member order,
+concatenated. A new kind registers its reference with ``REFERENCE_KINDS.register(kind, fn)``.
 """
 from __future__ import annotations
 
@@ -61,9 +69,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from fastpipe.format.comm_kinds import KindTable
 from fastpipe.format.reduce_ops import canonical_reduce_op
 
 __all__ = [
+    "REFERENCE_KINDS",
     "all_reduce",
     "all_gather",
     "reduce_scatter",
@@ -241,3 +251,19 @@ def send_recv(x: Tensor, device) -> Tensor:
     if not isinstance(x, Tensor):
         raise ValueError(f"send_recv: expected a torch.Tensor, found {type(x).__name__}")
     return _deliver(x, device)
+
+
+# ---------------------------------------------------------------------------
+# the table: group kind -> (xs, params, devices) -> every member's outputs
+# ---------------------------------------------------------------------------
+
+REFERENCE_KINDS: KindTable = KindTable("fastpipe.comm.reference.REFERENCE_KINDS", {
+    "p2p": lambda xs, prm, devs: [send_recv(xs[0], devs[1])],        # members: the send (0), the recv (1)
+    "all_reduce": lambda xs, prm, devs: all_reduce(xs, prm["reduce_op"], devs),
+    "all_gather": lambda xs, prm, devs: all_gather(xs, prm["dim"], devs),
+    "reduce_scatter": lambda xs, prm, devs: reduce_scatter(xs, prm["reduce_op"], prm["dim"], devs),
+    "all_to_all": lambda xs, prm, devs: all_to_all(xs, prm["src_dim"], prm["dst_dim"], devs),
+    "reduce": lambda xs, prm, devs: [reduce(xs, prm["reduce_op"], prm["dst"], devs)],
+    "gather": lambda xs, prm, devs: [gather(xs, prm["dim"], prm["dst"], devs)],
+    "broadcast": lambda xs, prm, devs: broadcast(xs[0], prm["src"], devs),
+})

@@ -11,24 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-COMPUTE_KINDS = ("fx", "dfg", "edf")   # dfg, edf: NPU compiler graphs (run only through a registered handler)
-COMM_KINDS = ("send", "recv", "reduce", "all_gather", "all_reduce", "reduce_scatter",
-              "all_to_all", "broadcast", "gather")
-IO_KINDS = ("input", "output")
-ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + IO_KINDS
+from fastpipe.format.comm_kinds import COMM_KINDS   # comm kind -> its spec; a live table (registered kinds too)
 
-# exactly these metadata keys per comm kind (SPEC §1)
-COMM_METADATA_KEYS: dict[str, tuple[str, ...]] = {
-    "send": (),
-    "recv": (),
-    "reduce": ("reduce_op", "dst"),
-    "all_gather": ("dim",),
-    "all_reduce": ("reduce_op",),
-    "reduce_scatter": ("reduce_op", "dim"),
-    "all_to_all": ("src_dim", "dst_dim"),
-    "broadcast": ("src",),
-    "gather": ("dim", "dst"),
-}
+COMPUTE_KINDS = ("fx", "dfg", "edf")   # dfg, edf: NPU compiler graphs (run only through a registered handler)
+IO_KINDS = ("input", "output")
+
+
+def all_kinds() -> tuple[str, ...]:
+    """Every supertask kind, in the order the format lists them (registered comm kinds too)."""
+    return COMPUTE_KINDS + tuple(COMM_KINDS) + IO_KINDS
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,14 @@ from fastpipe import dtypes
 from fastpipe.errors import FormatError, key_path
 from fastpipe.format import fields
 from fastpipe.format.devices import parse_device
-from fastpipe.format.model import (ALL_KINDS, COMM_KINDS, COMPUTE_KINDS, NULL_GROUP_PREFIX, DeviceConstraint,
+from fastpipe.format.model import (COMM_KINDS, COMPUTE_KINDS, NULL_GROUP_PREFIX, DeviceConstraint,
                                    Metadata, OriginalTensor, ParamFile, ParamValue, Pipeline, SuperTask, TensorInfo,
-                                   TensorSlice)
+                                   TensorSlice, all_kinds)
 
 TOP_REQUIRED = ("name", "devices", "tensors", "supertasks")
 TOP_OPTIONAL = ("metadata", "version", "param_files", "blobs", "device_constraints")
 PARAM_FORMATS = ("safetensors", "torch.save", "torch.export")
-KIND_SPELLINGS = {k: k for k in ALL_KINDS} | {"FX": "fx", "DFG": "dfg", "EDF": "edf"}
+KIND_ALIASES = {"FX": "fx", "DFG": "dfg", "EDF": "edf"}    # every kind is also spelled as itself (all_kinds())
 # Optional fields a producer writes as null (furiosa-llm serializes with dataclasses.asdict, so
 # every optional field of its dataclasses is present): null reads as absent.
 NULLABLE = {"compute": ("data", "data_blob"), "comm": ("group",)}
@@ -148,9 +148,10 @@ def _param_value(value: Any, path: str) -> ParamValue:
 def _supertask(value: Any, path: str, sid: str) -> SuperTask:
     raw_kind = fields.obj(value, path, required=("kind",), optional=(
         "inputs", "outputs", "device", "data", "data_blob", "group", "device_idx", "metadata"))["kind"]
-    if not isinstance(raw_kind, str) or raw_kind not in KIND_SPELLINGS:
-        raise fields.bad(f"{path}.kind", "one of " + ", ".join(ALL_KINDS) + " (or FX)", raw_kind)
-    kind = KIND_SPELLINGS[raw_kind]
+    kinds = all_kinds()
+    if not isinstance(raw_kind, str) or (raw_kind not in kinds and raw_kind not in KIND_ALIASES):
+        raise fields.bad(f"{path}.kind", "one of " + ", ".join(kinds) + " (or FX)", raw_kind)
+    kind = KIND_ALIASES.get(raw_kind, raw_kind)
     if kind in COMPUTE_KINDS:
         allowed, family = ("device", "data", "data_blob"), "compute"
     elif kind in COMM_KINDS:

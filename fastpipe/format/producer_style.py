@@ -39,6 +39,7 @@ from typing import Callable
 
 from fastpipe import dtypes
 from fastpipe.errors import FormatError, key_path
+from fastpipe.format.comm_kinds import COMM_KINDS
 from fastpipe.format.model import Device, Metadata, OriginalTensor, ParamFile, Pipeline, SuperTask, TensorSlice
 from fastpipe.format.reduce_ops import canonical_reduce_op
 
@@ -236,16 +237,19 @@ _RED_OP_VALUE = {"sum": 0, "avg": 1, "min": 3, "max": 4}     # torch's ReduceOp.
 
 
 def _comm_metadata(st: SuperTask) -> dict:
+    """reduce ops as the producer spells them for the kind (its spec's producer_op), slots as strings."""
+    spec = COMM_KINDS[st.kind]
     out = {}
     for k, v in (st.metadata or {}).items():
-        if k == "reduce_op":
+        type_ = spec.param(k).type if spec.param(k) is not None else None
+        if type_ == "reduce_op":
             try:
                 op = canonical_reduce_op(v)
             except (KeyError, ValueError):
                 out[k] = v            # refused by validation with its path; written as found
                 continue
-            v = f"RedOpType.{op.upper()}" if st.kind == "reduce_scatter" else _RED_OP_VALUE[op]
-        elif k in ("dst", "src"):
+            v = f"RedOpType.{op.upper()}" if spec.producer_op == "name" else _RED_OP_VALUE[op]
+        elif type_ == "slot":
             v = str(v)
         out[k] = v
     return out

@@ -2,12 +2,20 @@
 
     run_compute(step, env)          # a compute step: its reads from env (or its constants), fn, writes into env
     run_group(program, group, env)  # a whole comm group at once: every member's reads -> group_fns[group]
-    group_fn(group, members, devices)   # the plain-torch callable of a comm group (fastpipe.comm)
+    group_fn(group, devices)        # the callable of a comm group: EXECUTE_KINDS[group.kind](params, devices)
 
 Every processor that runs steps in one address space (reference, cpu, cuda, and the dist
 processor for groups local to a rank) goes through these, so a failure is reported the
 same way everywhere: a RunError naming the supertask and slot, or the group and its
 supertasks.
+
+EXECUTE_KINDS maps each group kind (fastpipe.format.comm_kinds) to `(params, devices) -> fn`,
+fn(the members' inputs in member order) -> their outputs in member order. Every built-in kind
+binds the plain-torch reference (fastpipe.comm.reference.REFERENCE_KINDS); a new kind registers
+with `EXECUTE_KINDS.register(kind, bind_reference(kind))` or a factory of its own. The cuda
+processor's streams (fastpipe.runtime.cuda.stream_issue) and the dist processor's local and
+generic groups run these callables too (Program.group_fns), and the fusion pass
+(fastpipe.runtime.passes.fuse) replaces some reduce_scatter and all_gather ones by kernels.
 """
 from __future__ import annotations
 
@@ -15,35 +23,35 @@ from typing import Callable, Sequence
 
 import torch
 
-from fastpipe import comm
+from fastpipe.comm.reference import REFERENCE_KINDS
 from fastpipe.errors import FastpipeError, RunError, key_path
+from fastpipe.format.comm_kinds import KindTable
 from fastpipe.lower.program import Program, Step
 from fastpipe.runtime.binding.inputs import to_device
 from fastpipe.torch_compat import profiler_enabled
 
+GroupCall = Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]
+GroupFactory = Callable[[dict, list[torch.device]], GroupCall]
 
-def group_fn(group, devices: Sequence[torch.device]) -> Callable[[list[torch.Tensor]], Sequence[torch.Tensor]]:
+
+def bind_reference(kind: str) -> GroupFactory:
+    """The factory that runs `kind` as the reference does (fastpipe.comm.reference.REFERENCE_KINDS),
+    with the group's params and devices bound."""
+    def factory(params: dict, devices: list[torch.device]) -> GroupCall:
+        ref = REFERENCE_KINDS[kind]
+        return lambda xs: ref(xs, params, devices)
+    return factory
+
+
+# group kind -> (params, devices) -> the group's callable; every built-in kind runs the reference
+EXECUTE_KINDS: KindTable[GroupFactory] = KindTable(
+    "fastpipe.runtime.execute.EXECUTE_KINDS", {kind: bind_reference(kind) for kind in sorted(REFERENCE_KINDS.builtin)})
+
+
+def group_fn(group, devices: Sequence[torch.device]) -> GroupCall:
     """The comm group's callable (a validated CommGroup; `devices`: each member's, in member order):
     the members' inputs concatenated in member order -> their outputs concatenated."""
-    kind, prm, devices = group.kind, group.params, list(devices)
-    if kind == "p2p":
-        recv_dev = devices[1]
-        return lambda xs: [comm.send_recv(xs[0], recv_dev)]
-    if kind == "all_reduce":
-        return lambda xs: comm.all_reduce(xs, prm["reduce_op"], devices)
-    if kind == "all_gather":
-        return lambda xs: comm.all_gather(xs, prm["dim"], devices)
-    if kind == "reduce_scatter":
-        return lambda xs: comm.reduce_scatter(xs, prm["reduce_op"], prm["dim"], devices)
-    if kind == "all_to_all":
-        return lambda xs: comm.all_to_all(xs, prm["src_dim"], prm["dst_dim"], devices)
-    if kind == "reduce":
-        return lambda xs: [comm.reduce(xs, prm["reduce_op"], prm["dst"], devices)]
-    if kind == "gather":
-        return lambda xs: [comm.gather(xs, prm["dim"], prm["dst"], devices)]
-    if kind == "broadcast":
-        return lambda xs: comm.broadcast(xs[0], prm["src"], devices)
-    raise AssertionError(kind)  # pragma: no cover - the validator admits no other kind
+    return EXECUTE_KINDS[group.kind](group.params, list(devices))
 
 
 def step_where(step: Step) -> str:

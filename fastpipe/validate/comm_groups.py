@@ -7,6 +7,10 @@ values, and input/output shapes and dtypes that the kind's semantics
 (SPEC §1 "Comm semantics") produce. Every backend fastpipe targets (NCCL,
 gloo, the fused kernels) needs equal-sized participants, so participants'
 inputs must have identical shapes; dims are non-negative.
+
+What each kind takes and gives is its spec (fastpipe.format.comm_kinds): its metadata keys
+and their types (reduce_op, dim, slot), which members hold an input and an output, and the
+output shape rule. A send and a recv (specs of group "p2p") form a pair.
 """
 from __future__ import annotations
 
@@ -15,16 +19,16 @@ from dataclasses import dataclass
 
 from fastpipe import dtypes
 from fastpipe.errors import ValidationError, key_path
-from fastpipe.format.comm_shapes import comm_output_shape
+from fastpipe.format.comm_kinds import COMM_KINDS, CommKindSpec
 from fastpipe.format.fields import show
-from fastpipe.format.model import COMM_METADATA_KEYS, Pipeline, SuperTask
+from fastpipe.format.model import Pipeline, SuperTask
 from fastpipe.format.reduce_ops import canonical_reduce_op
 
 
 @dataclass(frozen=True)
 class CommGroup:
     name: str
-    kind: str                              # the group's kind; "p2p" for a send/recv pair
+    kind: str                              # the group's kind (its spec's group_kind): "p2p" for a send/recv pair
     members: tuple[str, ...]               # supertask ids ordered by device_idx
     params: dict                           # canonical metadata: reduce_op str, dims int, dst/src as member index
 
@@ -47,9 +51,10 @@ def collect_groups(p: Pipeline) -> dict[str, CommGroup]:
 def _check_null_group(p: Pipeline, sid: str, st: SuperTask, members: list[str]) -> None:
     """`"group": null` makes a group of one (the supertask alone): a collective over a single
     participant, whose result is its input. A send or recv cannot pair with anything."""
-    if st.kind in ("send", "recv"):
+    partner = COMM_KINDS[st.kind].partner
+    if partner is not None:
         raise ValidationError(f"{_st(sid)}.group: expected a group name shared by a {st.kind} and its "
-                              f"{'recv' if st.kind == 'send' else 'send'}, found null")
+                              f"{partner}, found null")
     if len(members) != 1:
         other = next(m for m in members if m != sid)
         raise ValidationError(f"{_st(other)}.group: expected a name other than \"{st.group}\" (fastpipe's name for "
@@ -60,14 +65,15 @@ def _check_group(p: Pipeline, group: str, sids: list[str]) -> CommGroup:
     sts = {sid: p.supertasks[sid] for sid in sids}
     kinds = sorted({st.kind for st in sts.values()})
     first = sids[0]
-    if kinds == ["recv", "send"] or kinds in (["send"], ["recv"]):
+    if {COMM_KINDS[k].group_kind for k in kinds} == {"p2p"}:
         return _check_p2p(p, group, sts)
     if len(kinds) != 1:
         other = next(s for s in sids if sts[s].kind != sts[first].kind)
         raise ValidationError(f"{_st(other)}.kind: expected every member of group \"{group}\" to be {sts[first].kind} "
                               f"(like supertask \"{first}\"), found {sts[other].kind}")
     kind = kinds[0]
-    _check_keys(sts, kind)
+    spec = COMM_KINDS[kind]
+    _check_keys(sts, spec)
     for sid in sids[1:]:
         if dict(sts[sid].metadata) != dict(sts[first].metadata) and _canon_meta(sts[sid]) != _canon_meta(sts[first]):
             raise ValidationError(f"{_st(sid)}.metadata: expected the same metadata as supertask \"{first}\" of group "
@@ -77,31 +83,34 @@ def _check_group(p: Pipeline, group: str, sids: list[str]) -> CommGroup:
     slots = [sts[s].device for s in members]
     meta = sts[first].metadata
     params: dict = {}
-    if "reduce_op" in meta:
-        params["reduce_op"] = _reduce_op(meta["reduce_op"], f"{_st(first)}.metadata.reduce_op")
-    for key in ("dst", "src"):
-        if key in meta:
-            slot = str(meta[key])
+    for prm in spec.of_type("reduce_op"):
+        if prm.name in meta:
+            params[prm.name] = _reduce_op(meta[prm.name], f"{_st(first)}.metadata.{prm.name}")
+    for prm in spec.of_type("slot"):
+        if prm.name in meta:
+            slot = str(meta[prm.name])
             if slot not in slots:
-                raise ValidationError(f"{_st(first)}.metadata.{key}: expected a slot of group \"{group}\" "
-                                      f"({', '.join(slots)}), found {show(meta[key])}")
-            params[key] = slots.index(slot)
-    _check_io_counts(sts, members, kind, params)
+                raise ValidationError(f"{_st(first)}.metadata.{prm.name}: expected a slot of group \"{group}\" "
+                                      f"({', '.join(slots)}), found {show(meta[prm.name])}")
+            params[prm.name] = slots.index(slot)
+    _check_io_counts(sts, members, spec, params)
     x = _first_input(p, sts, members)
-    for key in ("dim", "src_dim", "dst_dim"):
-        if key in meta:
-            params[key] = _dim(meta[key], len(x[0]), f"{_st(first)}.metadata.{key}")
-    _check_shapes(p, sts, members, kind, params, n, x)
-    return CommGroup(group, kind, tuple(members), params)
+    for prm in spec.of_type("dim"):
+        if prm.name in meta:
+            params[prm.name] = _dim(meta[prm.name], len(x[0]), f"{_st(first)}.metadata.{prm.name}")
+    _check_shapes(p, sts, members, spec, params, n, x)
+    return CommGroup(group, spec.group_kind, tuple(members), params)
 
 
 def _canon_meta(st: SuperTask) -> dict:
+    """The metadata as members must agree on it: values as strings, reduce ops in any spelling."""
     out = {k: str(v) for k, v in st.metadata.items()}
-    if "reduce_op" in st.metadata:
-        try:
-            out["reduce_op"] = canonical_reduce_op(st.metadata["reduce_op"])
-        except (KeyError, ValueError):
-            pass
+    for prm in COMM_KINDS[st.kind].of_type("reduce_op"):
+        if prm.name in st.metadata:
+            try:
+                out[prm.name] = canonical_reduce_op(st.metadata[prm.name])
+            except (KeyError, ValueError):
+                pass
     return out
 
 
@@ -120,15 +129,18 @@ def _dim(value, rank: int, path: str) -> int:
     return value
 
 
-def _check_keys(sts: dict[str, SuperTask], kind: str) -> None:
-    want = set(COMM_METADATA_KEYS[kind])
+def _check_keys(sts: dict[str, SuperTask], spec: CommKindSpec) -> None:
+    want = {prm.name for prm in spec.params if prm.required}
+    allowed = set(spec.keys)
+    optional = sorted(allowed - want)
     for sid, st in sts.items():
         have = set(st.metadata)
-        if have != want:
-            extra, missing = sorted(have - want), sorted(want - have)
+        extra, missing = sorted(have - allowed), sorted(want - have)
+        if extra or missing:
             detail = (f"unknown key \"{extra[0]}\"" if extra else f"missing key \"{missing[0]}\"")
-            raise ValidationError(f"{_st(sid)}.metadata: expected exactly the keys "
-                                  f"[{', '.join(sorted(want))}] for {kind}, found {detail}")
+            keys = f"[{', '.join(sorted(want))}]" + (f" (optional: {', '.join(optional)})" if optional else "")
+            raise ValidationError(f"{_st(sid)}.metadata: expected {'' if optional else 'exactly '}the keys "
+                                  f"{keys} for {spec.name}, found {detail}")
 
 
 def _check_ranks(sts: dict[str, SuperTask], group: str) -> list[str]:
@@ -157,21 +169,12 @@ def _expect_count(sid: str, field: str, got: int, want: int, why: str) -> None:
         raise ValidationError(f"{_st(sid)}.{field}: expected {want} tensor{'s' if want != 1 else ''} ({why}), found {got}")
 
 
-def _check_io_counts(sts, members, kind: str, params: dict) -> None:
+def _check_io_counts(sts, members, spec: CommKindSpec, params: dict) -> None:
+    """Each member holds what its spec says (`inputs`/`outputs`: all, the root only, none)."""
     for rank, sid in enumerate(members):
         st = sts[sid]
-        if kind in ("reduce", "gather"):
-            _expect_count(sid, "inputs", len(st.inputs), 1, f"every {kind} participant gives one")
-            is_dst = rank == params["dst"]
-            _expect_count(sid, "outputs", len(st.outputs), 1 if is_dst else 0,
-                          f"only the dst participant of {kind} has an output")
-        elif kind == "broadcast":
-            is_src = rank == params["src"]
-            _expect_count(sid, "inputs", len(st.inputs), 1 if is_src else 0, "only the src participant of broadcast gives an input")
-            _expect_count(sid, "outputs", len(st.outputs), 1, "every broadcast participant outputs a copy")
-        else:
-            _expect_count(sid, "inputs", len(st.inputs), 1, f"{kind} takes one input per participant")
-            _expect_count(sid, "outputs", len(st.outputs), 1, f"{kind} gives one output per participant")
+        for side in ("inputs", "outputs"):
+            _expect_count(sid, side, len(getattr(st, side)), spec.count(side, rank, params), spec.explain(side))
 
 
 def _first_input(p: Pipeline, sts, members) -> tuple[tuple[int, ...], str]:
@@ -180,7 +183,7 @@ def _first_input(p: Pipeline, sts, members) -> tuple[tuple[int, ...], str]:
     return t.shape, t.dtype
 
 
-def _check_shapes(p: Pipeline, sts, members, kind: str, params: dict, n: int, x) -> None:
+def _check_shapes(p: Pipeline, sts, members, spec: CommKindSpec, params: dict, n: int, x) -> None:
     in_shape, dtype = x
     for sid in members:
         for i, name in enumerate(sts[sid].inputs):
@@ -188,19 +191,20 @@ def _check_shapes(p: Pipeline, sts, members, kind: str, params: dict, n: int, x)
             if (t.shape, t.dtype) != (in_shape, dtype):
                 raise ValidationError(f"{_st(sid)}.inputs[{i}]: expected {_desc(in_shape, dtype)} like the other members "
                                       f"of group \"{sts[sid].group}\", found {_desc(t.shape, t.dtype)} (\"{name}\")")
-    if params.get("reduce_op") == "avg" and not dtypes.is_floating(dtype):
-        raise ValidationError(f"{_st(members[0])}.metadata.reduce_op: expected sum, max or min for dtype {dtype} "
-                              f"(avg needs a floating dtype), found avg")
-    for key in ("dim", "src_dim"):
-        if key in params and kind in ("reduce_scatter", "all_to_all") and in_shape[params[key]] % n:
-            raise ValidationError(f"{_st(members[0])}.metadata.{key}: expected a dim whose size divides by the group size {n}, "
-                                  f"found dim {params[key]} of size {in_shape[params[key]]}")
-    out = comm_output_shape(kind, in_shape, n, params)
+    for prm in spec.of_type("reduce_op"):
+        if params.get(prm.name) == "avg" and not dtypes.is_floating(dtype):
+            raise ValidationError(f"{_st(members[0])}.metadata.{prm.name}: expected sum, max or min for dtype {dtype} "
+                                  f"(avg needs a floating dtype), found avg")
+    for prm in spec.of_type("dim"):
+        if prm.split and prm.name in params and in_shape[params[prm.name]] % n:
+            raise ValidationError(f"{_st(members[0])}.metadata.{prm.name}: expected a dim whose size divides by the group size {n}, "
+                                  f"found dim {params[prm.name]} of size {in_shape[params[prm.name]]}")
+    out = spec.shape(in_shape, n, params)
     for sid in members:
         for i, name in enumerate(sts[sid].outputs):
             t = p.tensors[name]
             if (t.shape, t.dtype) != (tuple(out), dtype):
-                raise ValidationError(f"{_st(sid)}.outputs[{i}]: expected {_desc(tuple(out), dtype)} for {kind} of "
+                raise ValidationError(f"{_st(sid)}.outputs[{i}]: expected {_desc(tuple(out), dtype)} for {spec.name} of "
                                       f"{n} x {_desc(in_shape, dtype)}, found {_desc(t.shape, t.dtype)} (\"{name}\")")
 
 
@@ -209,18 +213,17 @@ def _desc(shape, dtype) -> str:
 
 
 def _check_p2p(p: Pipeline, group: str, sts: dict[str, SuperTask]) -> CommGroup:
+    """The "p2p" group: one send (device_idx 0 or 1) and one recv, on two slots, x -> y like x."""
     sends = [s for s, st in sts.items() if st.kind == "send"]
     recvs = [s for s, st in sts.items() if st.kind == "recv"]
     any_sid = next(iter(sts))
     if len(sends) != 1 or len(recvs) != 1:
         raise ValidationError(f"{_st(any_sid)}.group: expected group \"{group}\" to pair one send with one recv, "
                               f"found {len(sends)} send and {len(recvs)} recv")
-    _check_keys(sts, "send")
+    _check_keys(sts, COMM_KINDS["send"])
     s, r = sts[sends[0]], sts[recvs[0]]
-    _expect_count(sends[0], "inputs", len(s.inputs), 1, "send takes one input")
-    _expect_count(sends[0], "outputs", len(s.outputs), 0, "send has no outputs")
-    _expect_count(recvs[0], "inputs", len(r.inputs), 0, "recv has no inputs")
-    _expect_count(recvs[0], "outputs", len(r.outputs), 1, "recv gives one output")
+    _check_io_counts(sts, sends, COMM_KINDS["send"], {})
+    _check_io_counts(sts, recvs, COMM_KINDS["recv"], {})
     if s.device == r.device:
         raise ValidationError(f"{_st(recvs[0])}.device: expected the recv of group \"{group}\" on another slot than its send, found slot \"{r.device}\" for both")
     if {s.device_idx, r.device_idx} != {0, 1}:

@@ -21,7 +21,9 @@ One run, with k micro-batches ("chunks"):
     within its chunk; so stage s works on chunk c+1 while stage s+1 works on chunk c
     (fill-drain), and nothing joins between chunks;
   * a compute step runs on its slot's lane; a comm group runs whole, once, on its first member's
-    lane (after every member's previous step), and every other member lane waits for it;
+    lane (after every member's previous step), and every other member lane waits for it; it runs
+    its Program.group_fns callable, whatever its kind (fastpipe.runtime.execute.EXECUTE_KINDS, or
+    a fused kernel): no comm kind is special here;
   * each chunk has its own environment; right after an op is issued, the intermediates its
     steps' `frees` name are dropped from it (pipeline inputs and outputs never are), so the
     allocator can reuse their memory for later steps (and a captured graph's pool can);

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from fastpipe import dtypes
 from fastpipe.errors import FastpipeError, InputError, RunError
+from fastpipe.format.comm_kinds import KindTable
 from fastpipe.lower.check import simulate
 from fastpipe.lower.program import Program, Step
 from fastpipe.runtime.processors.dist_setup import RankPlan, init_process_group, make_subgroups, rank_cuda_device
@@ -315,7 +316,7 @@ class DistProcessor:
             return self._execute(run_group, self.program, g.name, env)
         try:
             with torch.inference_mode(), torch.profiler.record_function(f"fp:group:{g.name}"):
-                if g.mode == "native":
+                if g.mode == "native" and g.kind in DIST_KINDS:
                     (me,) = [i for i, r in enumerate(g.ranks) if r == self.rank]
                     x = step_args(g.steps[me], env)[0] if g.steps[me].reads else None
                     outs = {me: _native(g, me, x, self.plan.backend != "gloo" and g.device.type == "cuda")}
@@ -404,59 +405,89 @@ def shutdown() -> None:
 
 
 def _native(g: _Group, me: int, x: torch.Tensor | None, nccl: bool) -> list[torch.Tensor]:
-    """This member's outputs of group g, every member on its own rank: one torch.distributed call."""
-    kind, prm, pg, n = g.kind, g.params, g.pg, len(g.members)
+    """This member's outputs of group g, every member on its own rank: one torch.distributed call
+    (DIST_KINDS[g.kind]); `x`: this member's input, None where it has none."""
     if x is not None:
         x = x.to(g.device)
-    if kind == "p2p":
-        if me == 0:
-            dist.send(_wire(x), dst=g.ranks[1], group=pg)
-            return []
-        return [_recv_like(g, 1, lambda b: dist.recv(b, src=g.ranks[0], group=pg))]
-    if kind == "broadcast":
-        src = prm["src"]
-        if me == src:
-            buf = _wire(x.clone(memory_format=torch.contiguous_format))
-            dist.broadcast(buf, src=g.ranks[src], group=pg)
-            return [_unwire(buf, x.dtype)]
-        return [_recv_like(g, me, lambda b: dist.broadcast(b, src=g.ranks[src], group=pg))]
-    if kind in ("all_reduce", "reduce", "reduce_scatter"):
-        op = prm["reduce_op"]
-        rop = _reduce_op(op, x.dtype, nccl)
-        if kind == "all_reduce":
-            buf = _acc(x, nccl)                      # reduced in place: a fresh buffer
-            dist.all_reduce(buf, op=rop, group=pg)
-        elif kind == "reduce":
-            buf = _acc(x, nccl)
-            dist.reduce(buf, dst=g.ranks[prm["dst"]], op=rop, group=pg)
-            if me != prm["dst"]:
-                return []
-        else:                                        # x is only read: no copy when its chunks are in place
-            inp = _stacked(x, prm["dim"], n, [g.at(k) for k in range(n)], reduce_dtype(x.dtype, nccl))
-            buf = torch.empty(inp.shape[1:], dtype=inp.dtype, device=inp.device)
-            _reduce_scatter_single(buf, inp.flatten(0, 1), rop, pg)     # the chunks concatenated along dim 0
-        if op == "avg" and not nccl:
-            buf = buf / n
-        return [buf.to(x.dtype)]
-    if kind == "all_gather":
-        xw = _wire(x)
-        got = torch.empty((n, *xw.shape), dtype=xw.dtype, device=xw.device)
-        _all_gather_single(got.flatten(0, 1) if xw.dim() else got, xw, pg)   # gloo: concatenated, not stacked
-        return [_unstacked(_unwire(got, x.dtype), prm["dim"], [g.gr(i) for i in range(n)])]
-    if kind == "gather":
-        xw, dst = _wire(x), prm["dst"]
-        got = [torch.empty_like(xw) for _ in range(n)] if me == dst else None
-        dist.gather(xw, got, dst=g.ranks[dst], group=pg)
-        if me != dst:
-            return []
-        return [torch.cat([_unwire(got[g.gr(i)], x.dtype) for i in range(n)], dim=prm["dim"])]
-    if kind == "all_to_all":
-        xw = _wire(x)
-        inp = _stacked(xw, prm["src_dim"], n, [g.at(k) for k in range(n)], xw.dtype)
-        got = torch.empty_like(inp)
-        dist.all_to_all_single(got, inp, group=pg)
-        return [_unstacked(_unwire(got, x.dtype), prm["dst_dim"], [g.gr(j) for j in range(n)])]
-    raise AssertionError(kind)  # pragma: no cover - the validator admits no other kind
+    return DIST_KINDS[g.kind](g, me, x, nccl)
+
+
+def _p2p(g: _Group, me: int, x, nccl: bool) -> list[torch.Tensor]:
+    if me == 0:                                     # the send
+        dist.send(_wire(x), dst=g.ranks[1], group=g.pg)
+        return []
+    return [_recv_like(g, 1, lambda b: dist.recv(b, src=g.ranks[0], group=g.pg))]
+
+
+def _broadcast(g: _Group, me: int, x, nccl: bool) -> list[torch.Tensor]:
+    src = g.params["src"]
+    if me == src:
+        buf = _wire(x.clone(memory_format=torch.contiguous_format))
+        dist.broadcast(buf, src=g.ranks[src], group=g.pg)
+        return [_unwire(buf, x.dtype)]
+    return [_recv_like(g, me, lambda b: dist.broadcast(b, src=g.ranks[src], group=g.pg))]
+
+
+def _reduced(g: _Group, x: torch.Tensor, buf: torch.Tensor, nccl: bool) -> list[torch.Tensor]:
+    """A native reduction's result `buf` (reduce_dtype) as x's dtype; avg divided here off NCCL."""
+    if g.params["reduce_op"] == "avg" and not nccl:
+        buf = buf / len(g.members)
+    return [buf.to(x.dtype)]
+
+
+def _all_reduce(g: _Group, me: int, x, nccl: bool) -> list[torch.Tensor]:
+    buf = _acc(x, nccl)                              # reduced in place: a fresh buffer
+    dist.all_reduce(buf, op=_reduce_op(g.params["reduce_op"], x.dtype, nccl), group=g.pg)
+    return _reduced(g, x, buf, nccl)
+
+
+def _reduce(g: _Group, me: int, x, nccl: bool) -> list[torch.Tensor]:
+    dst = g.params["dst"]
+    buf = _acc(x, nccl)
+    dist.reduce(buf, dst=g.ranks[dst], op=_reduce_op(g.params["reduce_op"], x.dtype, nccl), group=g.pg)
+    return _reduced(g, x, buf, nccl) if me == dst else []
+
+
+def _reduce_scatter(g: _Group, me: int, x, nccl: bool) -> list[torch.Tensor]:
+    # x is only read: no copy when its chunks are in place
+    n = len(g.members)
+    inp = _stacked(x, g.params["dim"], n, [g.at(k) for k in range(n)], reduce_dtype(x.dtype, nccl))  # (n, *chunk)
+    buf = torch.empty(inp.shape[1:], dtype=inp.dtype, device=inp.device)
+    rop = _reduce_op(g.params["reduce_op"], x.dtype, nccl)
+    _reduce_scatter_single(buf, inp.flatten(0, 1), rop, g.pg)     # the chunks concatenated along dim 0
+    return _reduced(g, x, buf, nccl)
+
+
+def _all_gather(g: _Group, me: int, x, nccl: bool) -> list[torch.Tensor]:
+    n, xw = len(g.members), _wire(x)
+    got = torch.empty((n, *xw.shape), dtype=xw.dtype, device=xw.device)                   # (n, *x)
+    _all_gather_single(got.flatten(0, 1) if xw.dim() else got, xw, g.pg)   # gloo: concatenated, not stacked
+    return [_unstacked(_unwire(got, x.dtype), g.params["dim"], [g.gr(i) for i in range(n)])]
+
+
+def _gather(g: _Group, me: int, x, nccl: bool) -> list[torch.Tensor]:
+    n, xw, dst = len(g.members), _wire(x), g.params["dst"]
+    got = [torch.empty_like(xw) for _ in range(n)] if me == dst else None
+    dist.gather(xw, got, dst=g.ranks[dst], group=g.pg)
+    if me != dst:
+        return []
+    return [torch.cat([_unwire(got[g.gr(i)], x.dtype) for i in range(n)], dim=g.params["dim"])]
+
+
+def _all_to_all(g: _Group, me: int, x, nccl: bool) -> list[torch.Tensor]:
+    n, xw = len(g.members), _wire(x)
+    inp = _stacked(xw, g.params["src_dim"], n, [g.at(k) for k in range(n)], xw.dtype)    # (n, *chunk)
+    got = torch.empty_like(inp)
+    dist.all_to_all_single(got, inp, group=g.pg)
+    return [_unstacked(_unwire(got, x.dtype), g.params["dst_dim"], [g.gr(j) for j in range(n)])]
+
+
+# group kind -> (group, this member, its input or None, nccl) -> this member's outputs, over g.pg.
+# A kind without an entry runs the generic path (each input broadcast, then EXECUTE_KINDS).
+DIST_KINDS: KindTable = KindTable("fastpipe.runtime.processors.dist.DIST_KINDS", {
+    "p2p": _p2p, "broadcast": _broadcast, "all_reduce": _all_reduce, "reduce": _reduce,
+    "reduce_scatter": _reduce_scatter, "all_gather": _all_gather, "gather": _gather, "all_to_all": _all_to_all,
+})
 
 
 def _recv_like(g: _Group, member: int, fill) -> torch.Tensor:
