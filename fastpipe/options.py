@@ -51,8 +51,9 @@ class LoadOptions:
 @dataclass(frozen=True)
 class RunOptions:
     processor: str = "auto"
-    """auto, or a registered processor's name (fastpipe.runtime.processors.registry): reference | region | cpu |
-    cuda | dist built in. "auto" (the default): dist under torchrun (WORLD_SIZE set), else region when every
+    """auto, or a registered processor's name (fastpipe.runtime.processors.registry, which refuses any other
+    when the session is made, or when options are made from keywords): reference | region | cpu | cuda | dist
+    built in. "auto" (the default): dist under torchrun (WORLD_SIZE set), else region when every
     slot is on one device, else cuda when every slot is on a GPU, else cpu (registry.choose_processor).
     "reference" runs one step at a time, eagerly: the oracle, chosen explicitly."""
     compile: str = "background"
@@ -79,9 +80,8 @@ class RunOptions:
     (`Processor.options`), at most one of each type; a type not given takes its defaults (`of`)."""
 
     def __post_init__(self):
-        from fastpipe.runtime.processors.registry import check_processor_name   # names only: imports no torch
-
-        check_processor_name(self.processor)
+        if not isinstance(self.processor, str) or not self.processor:    # which names exist: the registry, at load
+            raise InputError(f"processor: expected a processor's name, found {self.processor!r}")
         if self.compile is True or self.compile is False:
             object.__setattr__(self, "compile", "wait" if self.compile else "off")
         if self.compile not in COMPILE_MODES:

@@ -33,8 +33,8 @@ from fastpipe.runtime.binding.device_map import resolve_device_map
 from fastpipe.runtime.binding.index_bounds import index_bounds
 from fastpipe.runtime.binding.state import state_pairs
 from fastpipe.runtime.passes import fuse as fusion
-from fastpipe.runtime.processors.base import Prepared, check_options_taken
-from fastpipe.runtime.processors.registry import choose_processor, processor_class, with_fields
+from fastpipe.runtime.processors.base import Prepared
+from fastpipe.runtime.processors.registry import check_options_taken, choose_processor, processor_class, with_fields
 from fastpipe.validate import Checked, validate
 from fastpipe.weights import WeightStore, default_store
 

@@ -112,7 +112,7 @@ def test_every_weight_gemm_of_a_decode_step_reaches_the_backend_as_mm_of_t_w(lla
         # one at a time in this thread
         from fastpipe.runtime.processors.reference import ReferenceProcessor
 
-        run = ReferenceProcessor(sess.program).run
+        run = lambda ins: ReferenceProcessor(sess.program).run([ins])[0]  # noqa: E731
     inputs = {name: originals[s.origin][tuple(slice(a, b) for a, b in s.placements)].contiguous()
               for name, s in p.metadata.slices_inputs.items()}
     log = GemmLog()

@@ -41,7 +41,7 @@ PKG = ROOT / "fastpipe"
 # The layers the pure-data layer must not reach.
 ABOVE_PURE_DATA = (
     "fastpipe.payload", "fastpipe.weights", "fastpipe.comm", "fastpipe.runtime", "fastpipe.lower",
-    "fastpipe.cli", "fastpipe.session", "fastpipe.serving", "fastpipe.generation", "fastpipe.builder",
+    "fastpipe.cli", "fastpipe.session", "fastpipe.serving", "fastpipe.builder",
     "fastpipe.build", "fastpipe.kernels",
 )
 # validate_structure and the rule modules it runs; the closure below also covers anything they import.
@@ -484,8 +484,8 @@ LAYERS = [
     (3, ("fastpipe.validate",)),
     (4, ("fastpipe.lower", "fastpipe.builder")),
     (5, ("fastpipe.runtime",)),
-    (6, ("fastpipe.session", "fastpipe.serving", "fastpipe.generation", "fastpipe.model_io", "fastpipe.random_inputs",
-         "fastpipe.summary")),
+    (6, ("fastpipe.session", "fastpipe.session_warmup", "fastpipe.serving", "fastpipe.model_io",
+         "fastpipe.random_inputs", "fastpipe.summary")),
     (7, ("fastpipe.cli", "fastpipe.__main__", "fastpipe")),
 ]
 
@@ -547,3 +547,55 @@ def test_model_families_are_compared_only_in_their_registry():
         lines |= {i for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)}
         bad += [f"{path.relative_to(ROOT)}:{i}" for i in sorted(lines)]
     assert not bad, "a model family switched on outside fastpipe/builder/hf/families/:\n  " + "\n  ".join(bad)
+
+
+PROCESSOR_NAMES = ("reference", "region", "cpu", "cuda", "dist")
+REGISTRY = "fastpipe.runtime.processors.registry"
+
+
+def _processor_switches(tree: ast.AST) -> list[int]:
+    """Lines comparing something named like a processor (`processor`, `.processor`, `args.processor`)
+    with a processor's name as a string (==, !=, in, not in, a tuple or set of names too)."""
+    def names_processor(node) -> bool:
+        return ((isinstance(node, ast.Name) and "processor" in node.id)
+                or (isinstance(node, ast.Attribute) and "processor" in node.attr))
+
+    def names_a_processor(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in PROCESSOR_NAMES
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(names_a_processor(e) for e in node.elts)
+        return False
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(names_processor(x) for x in sides) and any(names_a_processor(x) for x in sides):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_processors_are_compared_by_name_only_in_the_registry():
+    """Only the registry knows processors by name: the session, the options, the CLI and every other
+    module ask it (processor_class, choose_processor, runs_per_rank) or read a processor's class attributes."""
+    probe = ast.parse('if self.processor == "dist": pass\nif args.processor not in ("auto", "dist"): pass\n'
+                      'if d.type == "cuda": pass\nif name == AUTO: pass')
+    assert _processor_switches(probe) == [1, 2]
+    bad = [f"{FILES[m].relative_to(ROOT)}:{line}" for m in sorted(FILES) if m != REGISTRY
+           for line in _processor_switches(TREES[m])]
+    assert not bad, "a processor compared by name outside its registry:\n  " + "\n  ".join(bad)
+
+
+def test_the_session_reaches_processors_only_through_the_registry():
+    """fastpipe.session imports from fastpipe.runtime only the flow's steps (binding, the fusion pass,
+    the processor base and registry, the compile cache): never a processor's own module."""
+    flow = {"fastpipe.runtime.binding.bind", "fastpipe.runtime.binding.device_map", "fastpipe.runtime.binding.index_bounds",
+            "fastpipe.runtime.binding.state", "fastpipe.runtime.passes.fuse", "fastpipe.runtime.passes",
+            "fastpipe.runtime.processors.base", REGISTRY, "fastpipe.runtime.compiling.compile_cache"}
+    for mod in ("fastpipe.session", "fastpipe.session_warmup"):
+        runtime = {i.target for i in IMPORTS[mod] if i.target.startswith("fastpipe.runtime")}
+        processors = {t for t in runtime if t.startswith("fastpipe.runtime.processors.")} - {REGISTRY, "fastpipe.runtime.processors.base"}
+        assert not processors, f"{mod} imports a processor module: {sorted(processors)}"
+        if mod == "fastpipe.session":
+            assert runtime <= flow, f"fastpipe.session imports runtime modules outside the flow: {sorted(runtime - flow)}"

@@ -95,12 +95,12 @@ def test_it_is_a_choice_everywhere_processors_are_chosen(counting):
     assert "counting" in registry.processor_names(one_process=True)
     args = parser().parse_args(["run", str(TP_MLP), "--processor", "counting"])
     assert args.processor == "counting"
-    assert RunOptions(processor="counting").processor == "counting"
+    assert registry.with_fields(None, processor="counting").processor == "counting"
 
 
 def test_unregistered_it_is_refused_with_the_list():
     with pytest.raises(InputError) as e:
-        RunOptions(processor="counting")
+        registry.with_fields(None, processor="counting")
     assert str(e.value) == ('processor: expected one of auto, reference, region, cpu, cuda, dist, found "counting"')
     with pytest.raises(ValueError, match="already registered"):
         registry.register_processor("region", CountingProcessor)

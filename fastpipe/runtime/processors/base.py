@@ -20,7 +20,6 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from fastpipe.errors import InputError
 
 
 @dataclass
@@ -223,21 +222,4 @@ def compile_state(compiled: Mapping) -> str:
         key = label.get(cg.stage, cg.stage)
         counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{n} {k}" for k, n in counts.items())
-
-
-def check_options_taken(run_options, cls) -> None:
-    """Options of a type that refuses other processors (`only_for_its_processors = True`: the dist
-    processor's ranks and timeout) given to a processor that does not take them: InputError naming the
-    first field set."""
-    import dataclasses
-
-    for o in run_options.processor_options:
-        t = type(o)
-        if t in cls.options or not getattr(t, "only_for_its_processors", False) or o == t():
-            continue
-        from fastpipe.runtime.processors.registry import processor_class, processor_names
-
-        takers = [n for n in processor_names() if t in processor_class(n).options]
-        name = next(f.name for f in dataclasses.fields(o) if getattr(o, f.name) != getattr(t(), f.name))
-        raise InputError(f"{name}: expected processor=\"{' or '.join(takers)}\", found processor=\"{cls.name}\"")
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Mapping
 
 import torch
 

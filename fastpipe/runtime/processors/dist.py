@@ -54,6 +54,7 @@ from fastpipe.lower.check import simulate
 from fastpipe.lower.program import Program, Step
 from fastpipe.runtime.processors.dist_setup import RankPlan, init_process_group, make_subgroups, rank_cuda_device
 from fastpipe.runtime.execute import run_compute, run_group, step_args
+from fastpipe.runtime.processors.base import Placement, Prepared, Processor
 
 _WIRE = {torch.int16: torch.float16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 for _n in ("float8_e4m3fnuz", "float8_e5m2fnuz"):
@@ -162,9 +163,55 @@ class _Group:
         return f"group \"{self.name}\" ({self.kind}, supertasks {', '.join(self.members)})"
 
 
-class DistProcessor:
+@dataclass(frozen=True)
+class DistOptions:
+    """The dist processor's own options (RunOptions.processor_options, or fastpipe.load's keywords);
+    refused by every other processor."""
+    slot_ranks: Mapping[str, int] | None = None
+    """slot -> rank (default: contiguous blocks of slots)."""
+    dist_timeout: float | None = None
+    """Seconds any collective may wait (default 120)."""
+    only_for_its_processors = True            # (a class attribute: not a field)
+
+    def __post_init__(self):
+        t = self.dist_timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise InputError(f"dist_timeout: expected a number of seconds > 0, found {t!r}")
+
+
+class DistProcessor(Processor):
     """Executes this rank's share of a bound Program (bound for plan.local_slots). `checked`: the
     validated pipeline, for comm kinds and the declared shapes of what crosses ranks."""
+
+    name = "dist"
+    options = (DistOptions,)
+    folds_gemms = True
+    background_compile = "warm-up"      # every rank compiles at warm-up, together
+    one_process_per_rank = True
+
+    @classmethod
+    def place(cls, pipeline, slot_devices: dict, run_options) -> Placement:
+        """Which rank runs which slot (dist_setup.make_plan); this rank binds only its own; nothing is fused."""
+        from fastpipe.runtime.passes import fuse
+        from fastpipe.runtime.processors.dist_setup import make_plan
+
+        if run_options.state_in_place:
+            raise InputError("state_in_place: expected a one-process processor (outputs of dist live on rank 0), "
+                             "found processor=\"dist\"")
+        fuse.check_fuse_for_dist(run_options.fuse)
+        plan = make_plan(pipeline, slot_devices, run_options.of(DistOptions).slot_ranks)
+        return Placement(plan.slot_devices, "off", fuse.DIST_OFF, local_slots=plan.local_slots, detail=plan)
+
+    @classmethod
+    def prepare(cls, program: Program, prepared: Prepared) -> "DistProcessor":
+        return cls(program, prepared.checked, prepared.placement.detail,
+                   timeout_s=prepared.run_options.of(DistOptions).dist_timeout).attach(prepared)
+
+    def call(self, inputs: Mapping[str, torch.Tensor], *, chunks: int = 1, trace=None) -> dict:
+        return self.session_run(inputs, chunks=chunks, trace=trace)
+
+    def outputs_here(self) -> bool:
+        return self.rank == 0
 
     def __init__(self, program: Program, checked, plan: RankPlan, *, timeout_s: float | None = None):
         self.plan, self.rank = plan, plan.rank
@@ -248,7 +295,7 @@ class DistProcessor:
 
             parts = split_chunks(inputs, chunks, {n: self.pipeline.tensors[n].shape[0] for n in inputs})
         events: list | None = [] if trace is not None else None
-        results = self.run(parts, events)
+        results = self.run(parts, trace=events)
         if trace is not None:
             self._write_trace(trace, events)
         if self.rank != 0:
@@ -279,7 +326,8 @@ class DistProcessor:
             check_inputs(present, inputs, self.input_devices)
 
     # ------------------------------------------------------------------ one call
-    def run(self, parts: list[dict], events: list | None = None) -> list[dict]:
+    def run(self, parts: list[dict], *, trace: list | None = None) -> list[dict]:
+        events = trace
         envs = [dict(x) for x in parts]
         t0 = time.perf_counter()
         for c, env in enumerate(envs):

@@ -6,7 +6,7 @@
     choose_processor("auto", slot_devices)               # -> "dist" | "region" | "cuda" | "cpu"
 
 The built-in processors are named here by module path and imported only when asked for, so reading
-the names (the CLI's choices, RunOptions' check) imports no torch. This module is the one place that
+the names (the CLI's choices, the check of a name) imports no torch. This module is the one place that
 knows processors by name: the session, the options and the CLI ask it.
 """
 from __future__ import annotations
@@ -135,6 +135,8 @@ def with_fields(run_options=None, /, **fields):
     from fastpipe.options import RunOptions
 
     ro = RunOptions() if run_options is None else run_options
+    if "processor" in fields:
+        check_processor_name(fields["processor"])
     if "processor_options" in fields:
         ro = dataclasses.replace(ro, processor_options=fields.pop("processor_options"))
     own = {f.name for f in dataclasses.fields(RunOptions)} - {"processor_options"}
@@ -167,3 +169,21 @@ def option_names() -> tuple[str, ...]:
     for t in option_types():
         names += [f.name for f in dataclasses.fields(t) if f.name not in names]
     return tuple(names)
+
+
+def check_options_taken(run_options, cls) -> None:
+    """Options of a type that refuses other processors (`only_for_its_processors = True`: the dist
+    processor's ranks and timeout) given to a processor that does not take them: InputError naming the
+    first field set."""
+    import dataclasses
+
+    from fastpipe.errors import InputError
+
+    for o in run_options.processor_options:
+        t = type(o)
+        if t in cls.options or not getattr(t, "only_for_its_processors", False) or o == t():
+            continue
+        takers = [n for n in processor_names() if t in processor_class(n).options]
+        name = next(f.name for f in dataclasses.fields(o) if getattr(o, f.name) != getattr(t(), f.name))
+        raise InputError(f"{name}: expected processor=\"{' or '.join(takers)}\", found processor=\"{cls.name}\"")
+
