@@ -222,7 +222,7 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
     `options` are the fields of LoadOptions, RunOptions and the processors' option dataclasses
     (fastpipe.options; ReplayOptions' cuda_graph, alias_outputs, graph_pool; RegionOptions' merge_shards;
     DistOptions' slot_ranks, dist_timeout), by name; or give the dataclasses themselves (`load_options=`,
-    `run_options=`), not both. The defaults are the CLI's: `processor="auto"` (dist / region / cuda / cpu,
+    `run_options=`), not both (keywords left at their defaults aside). The defaults are the CLI's: `processor="auto"` (dist / region / cuda / cpu,
     see registry.choose_processor) and `compile="background"` (tiered: eager from the first run, each
     graph compiled in the background and swapped in once ready and faster); `compile="wait"` compiles at
     the first run (benchmarks), `compile="off"` never. `processor="reference"` (one step at a time,
@@ -233,12 +233,12 @@ def load(pipeline: str | os.PathLike | Pipeline, device_map: Mapping[str, str] |
     import dataclasses
 
     load_fields = {f.name for f in dataclasses.fields(LoadOptions)}
-    lo_kw = {k: v for k, v in options.items() if k in load_fields}
-    ro_kw = {k: v for k, v in options.items() if k not in load_fields}
-    for given, kw, name in ((load_options, lo_kw, "load_options"), (run_options, ro_kw, "run_options")):
-        if given is not None and kw:
+    lo = LoadOptions(**{k: v for k, v in options.items() if k in load_fields})
+    ro = with_fields(None, **{k: v for k, v in options.items() if k not in load_fields})
+    set_ro = dataclasses.replace(ro, processor_options=tuple(o for o in ro.processor_options if o != type(o)()))
+    for given, built, name in ((load_options, lo, "load_options"), (run_options, set_ro, "run_options")):
+        if given is not None and built != type(built)():      # keywords at their defaults are not "given"
             raise InputError(f"{name}: expected either {name} or its fields as keywords, found both")
-    lo = load_options or LoadOptions(**lo_kw)
-    ro = run_options or with_fields(None, **ro_kw)
     p = pipeline if isinstance(pipeline, Pipeline) else read_pipeline(Path(pipeline))
-    return Session(p, device_map=device_map, load_options=lo, run_options=ro, store=store)
+    return Session(p, device_map=device_map, load_options=load_options or lo, run_options=run_options or ro,
+                   store=store)

@@ -127,3 +127,7 @@ def test_load_takes_the_option_dataclasses():
     assert sess.processor == "cpu" and sess.options.check_payloads is False
     with pytest.raises(InputError, match="^run_options: expected either run_options or its fields as keywords, found both$"):
         fastpipe.load(path, run_options=RunOptions(), processor="cpu")
+    with pytest.raises(InputError, match="^run_options: expected either run_options or its fields as keywords"):
+        fastpipe.load(path, run_options=RunOptions(), merge_shards=False)      # a processor's option too
+    # a keyword left at its default is not given (the engine sets processor="auto" beside a caller's run_options)
+    assert fastpipe.load(path, run_options=RunOptions(processor="cpu"), processor="auto", cuda_graph=True).processor == "cpu"
