@@ -37,7 +37,7 @@ def make_model(root: Path, *, layers: int = 4, hidden: int = 512, vocab: int = 8
 
 
 def make_set(model_dir: Path, out: Path, *, max_len: int, batches=(1, 8), prompt_lens=(16, 64), tp: int = 2) -> Path:
-    from fastpipe.generation.build import build_serving_set
+    from fastpipe.serving.build import build_serving_set
 
     build_serving_set(model_dir, out, max_len=max_len, batches=batches, prompt_lens=prompt_lens, tp=tp)
     return out

@@ -338,7 +338,7 @@ def fastpipe_row(label: str, make, kw: dict, dev, store, check, timed, rows: lis
 
 
 def static_step(folder: Path, out: Path, host: dict, dev, built: dict | None = None):
-    """The serving engine's decode step (fastpipe.generation.build: a static cache of exactly past + 1
+    """The serving engine's decode step (fastpipe.serving.build: a static cache of exactly past + 1
     positions, written in place at cache_position), to run as the engine runs its buckets (region compiled,
     + replay on a GPU, state in place, outputs aliased): the fastpipe row to hold against the unsplit
     static-cache rows. Its caches hold the past; every call writes the new token's keys and values at the
@@ -370,7 +370,7 @@ def on_device(path: Path, model_inputs: dict, dev):
 
 
 def serving_prefill(folder: Path, out: Path, host: dict, dev):
-    """The serving set's prefill bucket (fastpipe.generation.build: last_logits, cache_rows: logits_index [B]
+    """The serving set's prefill bucket (fastpipe.serving.build: last_logits, cache_rows: logits_index [B]
     in, the logits there [B, 1, V] out, each prompt's keys/values written into its row cache_row[b] of a
     static cache, here of B rows x S positions, in place) on the case's prompts, which fill the bucket:
     each row's index is its last token, row b goes to cache row b. Returns (path, Pipeline, inputs on dev)."""

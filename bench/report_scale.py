@@ -56,7 +56,7 @@ if a["what"] == "build":
     from fastpipe.builder.hf.build import build_hf
     build_hf(a["ckpt"], tp=a["tp"], pp=a["pp"], batch=1, seq_len=1, max_len=a["max_len"]).save(a["out"])
 elif a["what"] == "serve":
-    from fastpipe.generation.build import build_serving_set
+    from fastpipe.serving.build import build_serving_set
     build_serving_set(a["ckpt"], a["out"], max_len=a["max_len"], batches=(1, 8), prompt_lens=(128, 512),
                       tp=a["tp"], pp=a["pp"])
 elif a["what"] == "load":

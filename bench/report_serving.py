@@ -173,7 +173,7 @@ class Bench:
         fastpipe.load for every pipeline, and resolve_device_map refuses a slot a pipeline lacks, so the
         pipelines must share their slot names (a serving set's do: one tp/pp for all)."""
         from fastpipe.format import read_pipeline
-        from fastpipe.generation.buckets import pipeline_paths
+        from fastpipe.serving.buckets import pipeline_paths
 
         slots = {p: tuple(sorted(read_pipeline(p).devices)) for p in pipeline_paths(paths)}
         names = set(slots.values())
@@ -187,8 +187,8 @@ class Bench:
         """An Engine on `folder`'s pipelines on self.device. only_batch: only the decode and prefill
         pipelines of this batch (what a batch-1 engine runs anyway: prefill_for picks the smallest batch
         >= the newcomers), so its warm-up compiles (and captures) 3 pipelines, not the set's 6."""
-        from fastpipe.generation.buckets import pipeline_paths
-        from fastpipe.generation.engine import Engine
+        from fastpipe.serving.buckets import pipeline_paths
+        from fastpipe.serving.engine import Engine
 
         source = folder
         if only_batch:

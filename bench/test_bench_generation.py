@@ -7,7 +7,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from bench.generation_cases import hf_generate, load_requests, make_model, make_set, one_at_a_time, serve  # noqa: E402
-from fastpipe.generation.engine import Engine  # noqa: E402
+from fastpipe.serving.engine import Engine  # noqa: E402
 
 NEW = 32
 MAX_LEN = 128         # the engine's static cache; transformers' gets as many positions (equal attention work)

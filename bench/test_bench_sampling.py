@@ -1,5 +1,5 @@
 """Sampling one decode step's tokens at a real vocabulary (Llama 3's 128256), per batch and mix of rows:
-fastpipe.generation.sampling.sample_rows (each row fails alone: a finite check on every row, one transfer
+fastpipe.serving.sampling.sample_rows (each row fails alone: a finite check on every row, one transfer
 to the host, draws without torch.multinomial's host synchronisations) against the plain way (argmax for
 greedy rows, warp + torch.multinomial per sampled row, then the ids to the host). The same tokens in both.
 
@@ -9,7 +9,7 @@ On a GPU the logits are made there (the engine samples where the decode step's l
 import pytest
 import torch
 
-from fastpipe.generation.sampling import SamplingParams, sample_rows, warp
+from fastpipe.serving.sampling import SamplingParams, sample_rows, warp
 
 VOCAB = 128256
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,7 +3,7 @@
 Build a serving set (prefill buckets and one static-cache decode step per batch size), then serve it:
 
     fastpipe build path/to/hf_model -o out/ --serve --max-len 256 --batches 1,8
-        (in Python: fastpipe.generation.build.build_serving_set("path/to/hf_model", "out/",
+        (in Python: fastpipe.serving.build.build_serving_set("path/to/hf_model", "out/",
                                                                  max_len=256, batches=(1, 8)))
     python examples/server.py out/ --port 8000            # [--host H] [--batch 8] [--compile background|wait|off]
 
@@ -18,7 +18,7 @@ Build a serving set (prefill buckets and one static-cache decode step per batch 
 
 POST /generate takes one prompt: "input_ids" (up to the largest prefill bucket) and "max_new_tokens"
 (prompt + new tokens <= max_len), both required; optional "temperature", "top_k", "top_p", "seed"
-(fastpipe.generation.sampling; the default is greedy), "ignore_eos" and "stream" (booleans).
+(fastpipe.serving.sampling; the default is greedy), "ignore_eos" and "stream" (booleans).
 finish_reason is "eos", "length", "cancelled" (the server stopping, or a streaming client gone) or
 "error". A bad request gets HTTP 400 and {"error": "<one line>"} (the engine's InputError message).
 
@@ -47,8 +47,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from fastpipe.errors import FastpipeError, InputError
-from fastpipe.generation.engine import Engine
-from fastpipe.generation.sampling import SamplingParams
+from fastpipe.serving.engine import Engine
+from fastpipe.serving.sampling import SamplingParams
 
 FIELDS = ("input_ids", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos", "stream")
 

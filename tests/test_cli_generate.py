@@ -199,13 +199,13 @@ def test_generate_starts_eagerly_and_the_engine_swaps_the_compiled_decode_step_i
     assert "(eager at once; each bucket compiled in the background as it is used)" in loaded
     assert STATS.match(stats) and decode.startswith("decode step: "), err
 
-    from fastpipe.generation.engine import Engine
+    from fastpipe.serving.engine import Engine
 
     eng = Engine(serving_set[0], batch=1)
     try:
         assert eng.warmup_seconds < 5                   # nothing compiled up front
         assert eng.submit(PROMPT_A, max_new_tokens=12).result(timeout=300) == want
-        (cg,) = eng.decode._compiled().values()
+        (cg,) = eng.decode.compiled_graphs().values()
         assert cg._queued or cg._ready, cg.state()      # called 11 times: queued at the second call
         assert eng.decode.wait_compiled(600), cg.state()
         from fastpipe.runtime.compiling.background_compile import background

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fastpipe.errors import InputError, RunError
-from fastpipe.generation.build import build_serving_set
-from fastpipe.generation.engine import Engine
-from fastpipe.generation.sampling import SamplingParams
+from fastpipe.serving.build import build_serving_set
+from fastpipe.serving.engine import Engine
+from fastpipe.serving.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint  # noqa: E402

@@ -4,8 +4,8 @@ biases. Each layout's tokens equal transformers' greedy generate on the same che
 import pytest
 import torch
 
-from fastpipe.generation.build import build_serving_set
-from fastpipe.generation.engine import Engine
+from fastpipe.serving.build import build_serving_set
+from fastpipe.serving.engine import Engine
 
 transformers = pytest.importorskip("transformers")
 from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint  # noqa: E402

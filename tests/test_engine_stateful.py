@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from fastpipe.errors import InputError
-from fastpipe.generation.build import build_serving_set
-from fastpipe.generation.engine import Engine
-from fastpipe.generation.sampling import SamplingParams
+from fastpipe.serving.build import build_serving_set
+from fastpipe.serving.engine import Engine
+from fastpipe.serving.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 hypothesis = pytest.importorskip("hypothesis")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from fastpipe.errors import InputError, RunError
-from fastpipe.generation.build import build_serving_set
-from fastpipe.generation.engine import Engine
-from fastpipe.generation.sampling import SamplingParams
+from fastpipe.serving.build import build_serving_set
+from fastpipe.serving.engine import Engine
+from fastpipe.serving.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint  # noqa: E402
@@ -78,8 +78,8 @@ def test_prefills_write_the_prompts_into_the_engines_cache(served, monkeypatch):
     cache tensors, nothing is returned to be copied (KVState.admit is never called), and its tokens are
     checked above."""
     from fastpipe.format import read_pipeline
-    from fastpipe.generation.buckets import last_logits_only, writes_cache
-    from fastpipe.generation.kv_state import KVState
+    from fastpipe.serving.buckets import last_logits_only, writes_cache
+    from fastpipe.serving.kv_state import KVState
 
     family, model, folder, paths = served
     prefills = [read_pipeline(p) for p in paths if p.parent.name.startswith("prefill_")]
@@ -145,7 +145,7 @@ def test_an_older_set_whose_prefills_return_caches_still_serves(tmp_path, older)
     import shutil
 
     from fastpipe.builder.hf.build import build_hf
-    from fastpipe.generation.buckets import last_logits_only, writes_cache
+    from fastpipe.serving.buckets import last_logits_only, writes_cache
 
     model = save_random_checkpoint(CONFIGS["llama"](), tmp_path / "m", seed=5).eval()
     build_serving_set(tmp_path / "m", tmp_path / "set", max_len=32, batches=(2,), prompt_lens=(8,), tp=2)

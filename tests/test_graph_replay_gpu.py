@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import fastpipe
-from fastpipe.generation.buckets import ServingBuckets
-from fastpipe.generation.engine import Engine
+from fastpipe.serving.buckets import ServingBuckets
+from fastpipe.serving.engine import Engine
 from tests.examples import GRAPHS, SERVING_SET
 
 pytestmark = pytest.mark.cuda

@@ -5,8 +5,8 @@ import threading
 import pytest
 
 from fastpipe.errors import RunError
-from fastpipe.generation.request import Request
-from fastpipe.generation.sampling import SamplingParams
+from fastpipe.serving.request import Request
+from fastpipe.serving.sampling import SamplingParams
 
 
 def _request() -> Request:

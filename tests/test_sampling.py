@@ -1,4 +1,4 @@
-"""fastpipe.generation.sampling against transformers' warpers, argmax and the softmax it should draw from."""
+"""fastpipe.serving.sampling against transformers' warpers, argmax and the softmax it should draw from."""
 import math
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from fastpipe.errors import InputError, RunError
-from fastpipe.generation.sampling import MIN_TEMPERATURE, SamplingParams, draw, sample, sample_rows, warp
+from fastpipe.serving.sampling import MIN_TEMPERATURE, SamplingParams, draw, sample, sample_rows, warp
 
 
 def hf_warp(logits, temperature, top_k, top_p):

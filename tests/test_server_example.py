@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fastpipe.generation.build import build_serving_set
+from fastpipe.serving.build import build_serving_set
 from tests.hf_models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

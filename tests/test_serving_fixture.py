@@ -9,7 +9,7 @@ import torch
 
 import fastpipe
 from fastpipe.format import read_pipeline
-from fastpipe.generation.engine import Engine
+from fastpipe.serving.engine import Engine
 from tests.examples import SERVING_SET
 
 SET = SERVING_SET
@@ -49,7 +49,7 @@ def test_committed_greedy_tokens_win_by_a_margin_no_device_rounding_can_flip(mon
     """The GPU test below compares greedy tokens made on the GPU with expected.json (made on the CPU):
     that holds only while every expected token beats the runner-up by far more than f32 rounding
     across devices (~1e-6 of logits near 0.6). Every logit row the engine samples from is kept here."""
-    import fastpipe.generation.engine as engine_mod
+    import fastpipe.serving.engine as engine_mod
 
     rows = []
 
@@ -70,8 +70,8 @@ def _watch_engine_devices(monkeypatch) -> dict:
     """Where the engine assembles (the device asked of assemble_outputs), samples (the logits' device) and
     where the prefills' inputs and caches are (the devices of what the prefill sessions run on); each a list
     of what was seen. No prefill runs at the model level (run_model) or has its caches copied (admit)."""
-    import fastpipe.generation.engine as engine_mod
-    from fastpipe.generation.kv_state import KVState
+    import fastpipe.serving.engine as engine_mod
+    from fastpipe.serving.kv_state import KVState
     from fastpipe.session import Session
 
     seen = {"assemble": [], "sample": [], "prefill": []}

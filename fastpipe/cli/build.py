@@ -1,5 +1,5 @@
 """`fastpipe build`: split a local Hugging Face checkpoint folder into a tp x pp pipeline, or (--serve)
-into a serving set for `fastpipe generate` (fastpipe.generation.build.build_serving_set)."""
+into a serving set for `fastpipe generate` (fastpipe.serving.build.build_serving_set)."""
 from __future__ import annotations
 
 from fastpipe.errors import InputError
@@ -106,7 +106,7 @@ def _build_serving_set(args, model_dir) -> int:
     import time
     from pathlib import Path
 
-    from fastpipe.generation.build import SIDE_FILES, build_serving_set, default_prompt_lens
+    from fastpipe.serving.build import SIDE_FILES, build_serving_set, default_prompt_lens
 
     given = _given(args, "--seq-len", "--past-len", "--batch", "--split-points", "--sequence-parallel",
                    "--cache-rows")

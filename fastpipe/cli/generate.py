@@ -1,7 +1,8 @@
 """`fastpipe generate`: stream tokens from a serving set (`fastpipe build --serve`) for one prompt.
 
 Text in and out when the folder holds a tokenizer (build_serving_set links the model folder's
-tokenizer files and config.json beside the pipelines), token ids otherwise. Tokens go to stdout
+tokenizer files and config.json beside the pipelines; fastpipe.serving.tokenizer reads them and
+detokenises the stream), token ids otherwise. Tokens go to stdout
 as the engine makes them; stderr gets the load/warm-up time, a progress bar (only when stderr is
 a terminal and stdout is not: on one terminal the streamed text is the progress) and one closing
 line "N tokens in X s (Y tokens/s, first token after Z ms)". --quiet keeps stderr for errors.
@@ -16,12 +17,11 @@ from pathlib import Path
 from fastpipe.errors import InputError
 
 DEFAULT_MAX_NEW_TOKENS = 32
-# any of these beside the pipelines means the folder has a tokenizer (fastpipe.generation.build.SIDE_FILES)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def cmd_generate(args) -> int:
     from fastpipe.cli.common import compile_mode, device_map_of
+    from fastpipe.serving.tokenizer import Tokenizer, has_tokenizer
 
     folder = Path(args.serving_set)
     if not folder.is_dir():
@@ -34,12 +34,14 @@ def cmd_generate(args) -> int:
         raise InputError(f"--max-new-tokens: expected an integer >= 1, found {args.max_new_tokens}")
     device_map = device_map_of(args)
     want_text = not args.ids
-    tok = load_tokenizer(folder) if (args.prompt is not None or want_text) and has_tokenizer(folder) else None
+    tok = None
+    if (args.prompt is not None or want_text) and has_tokenizer(folder):
+        tok = Tokenizer.load(folder, who="generate", otherwise="give token ids with --prompt-ids and print ids with --ids")
     if args.prompt is not None:
         if tok is None:
             raise InputError(f"--prompt: expected a folder with a tokenizer (tokenizer.json, tokenizer_config.json, ...), "
                              f"found none in \"{folder}\"; give token ids with --prompt-ids 5,7,9")
-        ids = list(tok.encode(args.prompt))
+        ids = tok.encode(args.prompt)
     else:
         ids = parse_ids(args.prompt_ids, "--prompt-ids")
     printer = TextPrinter(tok, sys.stdout) if want_text and tok is not None else IdPrinter(sys.stdout)
@@ -92,7 +94,7 @@ def cmd_generate(args) -> int:
 
 def runs_compiled(session) -> bool:
     """Whether the session runs a compiled graph now (tiered: swapped in and kept after measuring)."""
-    return any(cg.stage == "compiled" for cg in session._compiled().values())
+    return any(cg.stage == "compiled" for cg in session.compiled_graphs().values())
 
 
 def compile_line(decode, swap, n: int, seconds: float, first: float) -> str:
@@ -108,7 +110,7 @@ def compile_line(decode, swap, n: int, seconds: float, first: float) -> str:
 
 def sampling_params(args):
     """SamplingParams of the flags; each bad value is an InputError naming its flag."""
-    from fastpipe.generation.sampling import MIN_TEMPERATURE, SamplingParams
+    from fastpipe.serving.sampling import MIN_TEMPERATURE, SamplingParams
 
     t, k, p, s = args.temperature, args.top_k, args.top_p, args.seed
     if not (math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
@@ -136,33 +138,11 @@ def parse_ids(text: str, option: str) -> list[int]:
         raise InputError(f"{option}: expected comma-separated integer token ids, found {bad!r}") from None
 
 
-def has_tokenizer(folder: Path) -> bool:
-    return any((folder / name).is_file() for name in TOKENIZER_FILES)
-
-
-def load_tokenizer(folder: Path):
-    import logging
-
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as e:
-        missing = isinstance(e, ModuleNotFoundError) and (e.name or "transformers").split(".")[0] == "transformers"
-        why = "not installed" if missing else f"which failed to import: {' '.join(str(e).split())}"
-        raise InputError(f"generate: needs transformers (pip install 'fastpipe[hf]') to read the tokenizer in "
-                         f"\"{folder}\", {why}; or give token ids with --prompt-ids and print ids with --ids") from None
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; all mean "unreadable here"
-        raise InputError(f"tokenizer: expected one transformers can load from \"{folder}\", found: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())}; give token ids with --prompt-ids (and --ids)") from None
-
-
 def open_engine(folder: Path, batch: int | None, **load_kwargs):
     """The Engine on the folder, not warmed up yet (ServingBuckets.warmup compiles every bucket).
     batch None: the smallest decode bucket (one prompt runs on as few rows as the set allows)."""
-    from fastpipe.generation.buckets import ServingBuckets
-    from fastpipe.generation.engine import Engine
+    from fastpipe.serving.buckets import ServingBuckets
+    from fastpipe.serving.engine import Engine
 
     buckets = ServingBuckets(folder, **load_kwargs)
     try:
@@ -198,42 +178,26 @@ class IdPrinter:
 
 
 class TextPrinter:
-    """Streams decoded text: decodes every token so far and writes what is new, holding back while the
-    text ends in an incomplete character (U+FFFD) or stops extending what was written (a tokenizer may
-    merge or clean up across tokens); the end writes the rest."""
+    """Writes the text of the tokens as they come (fastpipe.serving.tokenizer.TextStream: never half a
+    character), then the rest and a newline at the end. tok: anything with decode(ids, skip_special_tokens=)."""
 
     def __init__(self, tok, out):
-        self.tok, self.out = tok, out
-        self.tokens: list[int] = []
-        self.written = ""
+        from fastpipe.serving.tokenizer import TextStream
 
-    def _text(self) -> str:
-        return self.tok.decode(self.tokens, skip_special_tokens=True)
-
-    def add(self, token: int) -> None:
-        self.tokens.append(token)
-        text = self._text()
-        if text.endswith("\ufffd") or not text.startswith(self.written):
-            return
-        self._write(text)
+        self.stream, self.out = TextStream(tok), out
 
     def _write(self, text: str) -> None:
-        new = text[len(self.written):]
-        if new:
-            self.out.write(new)
+        if text:
+            self.out.write(text)
             self.out.flush()
-            self.written = text
+
+    def add(self, token: int) -> None:
+        self._write(self.stream.add(token))
 
     def finish(self) -> None:
-        if not self.tokens:
+        if not self.stream.tokens:
             return
-        text = self._text()
-        if text.startswith(self.written):
-            self._write(text)
-        else:                 # the final text does not extend what was streamed: write its differing tail
-            common = next((i for i, (a, b) in enumerate(zip(self.written, text)) if a != b),
-                          min(len(self.written), len(text)))
-            self.out.write(text[common:])
+        self._write(self.stream.finish())
         self.out.write("\n")
         self.out.flush()
 

@@ -1,4 +1,4 @@
-"""The loaded pipelines of a serving set (fastpipe.generation.build), told apart by their metadata.
+"""The loaded pipelines of a serving set (fastpipe.serving.build), told apart by their metadata.
 
     bs = ServingBuckets("out/")            # fastpipe.load's keywords: processor="auto", compile="background"
     bs.decodes[8]          # Session of the decode step for 8 rows (static cache, state in place)
@@ -15,7 +15,7 @@ returned for the engine to copy, and (older still) input_ids only -> logits [B, 
 (`last_logits_only(session)`). Anything else in the folder is refused by name.
 All buckets load through one WeightStore: each weight slice is read and held once (on a GPU: one
 copy there, fastpipe.weights.WeightStore.load), and share one
-CUDA-graph memory pool (`graph_pool`, fastpipe.runtime.graph_replay.GraphPool): warmup() captures
+CUDA-graph memory pool (`graph_pool`, fastpipe.runtime.cuda.graph_replay.GraphPool): warmup() captures
 the largest bucket first, and the smaller ones reuse its memory. Graphs in one pool take turns (the
 engine runs one step at a time on one worker anyway): a bucket never replays while another does.
 Replayed, a bucket returns its graph's own output buffers, not clones (RunOptions.alias_outputs): a
@@ -59,7 +59,7 @@ def writes_cache(session) -> bool:
 
 def last_logits_only(session) -> bool:
     """Whether a prefill bucket takes logits_index [B] and returns logits [B, 1, V] at those positions
-    (fastpipe.generation.build), rather than logits [B, S, V] at every position (an older set)."""
+    (fastpipe.serving.build), rather than logits [B, S, V] at every position (an older set)."""
     return LOGITS_INDEX in session.pipeline.metadata.tensors_inputs
 
 
@@ -75,7 +75,7 @@ def pipeline_paths(source: str | os.PathLike | Sequence) -> list[Path]:
 
 class ServingBuckets:
     def __init__(self, source, *, store=None, **load_kwargs):
-        from fastpipe.runtime.graph_replay import GraphPool
+        from fastpipe.runtime.cuda.graph_replay import GraphPool, ReplayOptions
         from fastpipe.session import load
         from fastpipe.weights import WeightStore
 
@@ -83,7 +83,7 @@ class ServingBuckets:
         self.folder = paths[0].parent.parent
         self.store = store or WeightStore()
         ro = load_kwargs.get("run_options")
-        self.graph_pool = (ro.graph_pool if ro is not None else load_kwargs.get("graph_pool")) or GraphPool()
+        self.graph_pool = (ro.of(ReplayOptions).graph_pool if ro is not None else load_kwargs.get("graph_pool")) or GraphPool()
         # state in place: the decode step and the prefills into the cache update the engine's caches (a bucket
         # without state, an older set's prefill, runs as usual)
         load_kwargs = self._with(load_kwargs, graph_pool=self.graph_pool, alias_outputs=True, state_in_place=True)
@@ -117,12 +117,12 @@ class ServingBuckets:
 
     @staticmethod
     def _with(load_kwargs: dict, **fields) -> dict:
-        """The load keywords with these RunOptions fields set (in `run_options` when the caller gave one)."""
-        import dataclasses
+        """The load keywords with these option fields set (in `run_options` when the caller gave one)."""
+        from fastpipe.runtime.processors.registry import with_fields
 
         kw = dict(load_kwargs)
         if kw.get("run_options") is not None:
-            kw["run_options"] = dataclasses.replace(kw["run_options"], **fields)
+            kw["run_options"] = with_fields(kw["run_options"], **fields)
         else:
             kw.update(fields)
         return kw
@@ -157,7 +157,7 @@ class ServingBuckets:
         it captures at its second run, on the caches it is given. Returns the seconds it took.
         Buckets loaded with compile="background" (the default) are left alone: each runs eagerly from its
         first call and compiles in the background once it has been called twice, the busiest bucket first
-        (fastpipe.runtime.background_compile), and captures its CUDA graph once compiled, on the inputs of
+        (fastpipe.runtime.compiling.background_compile), and captures its CUDA graph once compiled, on the inputs of
         the call (the engine's caches)."""
         import time
 
@@ -168,9 +168,9 @@ class ServingBuckets:
             stateful = bool(s.state)
             inputs = state_inputs(s) if stateful and state_inputs is not None else None
             capture = not stateful or inputs is not None
-            if s.compile_report is None and (s._compiled() or (capture and s._graph_replays())):
+            if s.compile_report is None and (s.compiled_graphs() or (capture and s.runner.graph_replays())):
                 s.compile(inputs, capture=capture)
-            elif capture and s._graph_replays():
+            elif capture and s.runner.graph_replays():
                 s.capture(inputs)                    # warm already: captures unless it holds a graph on these
         return time.perf_counter() - t
 
@@ -190,7 +190,7 @@ class ServingBuckets:
 
     def compiled_graphs(self) -> int:
         """Distinct compiled graphs held by the buckets' sessions."""
-        return len({id(cg) for s in self.sessions() for cg in s._compiled().values()})
+        return len({id(cg) for s in self.sessions() for cg in s.compiled_graphs().values()})
 
     def close(self) -> None:
         """Close every session, then collect garbage once (a collection per session took seconds)."""

@@ -16,7 +16,7 @@ For each batch bucket B it writes
   the KV cache);
 - `decode_b{B}/`: ONE decode step on a static cache of max_len positions: input_ids [B, 1],
   cache_position [B], past_key_values_{l}_{0|1} [B, Hkv, max_len, D] -> logits [B, 1, V] and the
-  caches updated at each row's position (the same names: in-place state, fastpipe.runtime.state).
+  caches updated at each row's position (the same names: in-place state, fastpipe.runtime.binding.state).
 So the number of pipelines is len(batches) * (len(prompt_lens) + 1), whatever the number of
 tokens generated. The checkpoint is hard-linked once per folder (no copy), and the model folder's
 tokenizer and generation config are linked beside the pipelines, so `fastpipe generate out/`

@@ -14,7 +14,7 @@ are copied there), and their first token is sampled from the prefill's logits. L
 prefill's caches) are assembled on the device of the decode step's logits (`engine.device`: on a GPU they never cross to
 the host; only each step's sampled ids do), and the requests' generators live there. Then one decode step
 runs every row at its own position (cache_position), writing the caches in place; each active
-row samples its next token (fastpipe.generation.sampling, the request's own generator) and
+row samples its next token (fastpipe.serving.sampling, the request's own generator) and
 streams it. A request finishes at EOS (unless ignore_eos), at max_new_tokens, or when cancelled;
 its row is free for the next waiting request at the next step.
 
@@ -22,9 +22,9 @@ Faults (docs/serving.md, "Faults"): a request's outcome depends only on its own 
 submit() checks a request before it is queued (bad input raises InputError there, and fails alone). A
 prefill or decode step that raises runs once more (exact: it rewrites the same cache positions); a
 prefill failing again is split into one prompt per run, so only a prompt that fails alone fails; a row
-whose sampling fails (fastpipe.generation.sampling.sample_rows) fails alone. Only a decode step failing
+whose sampling fails (fastpipe.serving.sampling.sample_rows) fails alone. Only a decode step failing
 twice ends every row in it ("error"): that is the engine's fault, not a request's; the engine goes on.
-submit() and the request methods (fastpipe.generation.request) are safe from any thread.
+submit() and the request methods (fastpipe.serving.request) are safe from any thread.
 """
 from __future__ import annotations
 
@@ -37,11 +37,11 @@ from typing import Sequence
 import torch
 
 from fastpipe.errors import FastpipeError, InputError, RunError, described
-from fastpipe.generation.buckets import CACHE_ROW, LOGITS_INDEX, ServingBuckets, last_logits_only, writes_cache
-from fastpipe.generation.kv_state import KVState, cache_rows
-from fastpipe.generation.request import Request
-from fastpipe.generation.sampling import SamplingParams, sample_rows
 from fastpipe.model_io import assemble_outputs, to_pipeline_inputs
+from fastpipe.serving.buckets import CACHE_ROW, LOGITS_INDEX, ServingBuckets, last_logits_only, writes_cache
+from fastpipe.serving.kv_state import KVState, cache_rows
+from fastpipe.serving.request import Request
+from fastpipe.serving.sampling import SamplingParams, sample_rows
 
 class _Row:
     __slots__ = ("req", "position", "token", "generator")

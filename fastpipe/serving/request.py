@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from fastpipe.generation.sampling import SamplingParams
+from fastpipe.serving.sampling import SamplingParams
 
 @dataclass(eq=False)
 class Request:

@@ -27,7 +27,7 @@ def main() -> int:
     import transformers
 
     from fastpipe.builder.hf.random_checkpoint import save_random_checkpoint
-    from fastpipe.generation.build import build_serving_set
+    from fastpipe.serving.build import build_serving_set
 
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                    intermediate_size=128, vocab_size=100)
