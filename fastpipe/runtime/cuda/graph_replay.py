@@ -34,7 +34,7 @@ by every call.
 
 Memory pools. `pool=` (a GraphPool) puts the graph into a memory pool shared with other replays'
 graphs: what one graph frees at the end of its capture (its temporaries), the graphs captured after
-it reuse, so capture the largest first (fastpipe.generation.buckets does). Graphs sharing memory must
+it reuse, so capture the largest first (fastpipe.serving.buckets does). Graphs sharing memory must
 never run at the same time; the pool makes sure of it: its replays take turns under one lock, and on
 the GPU each waits for the previous one's work when called from another stream. Sessions meant to
 run in parallel need pools of their own (the default: a private pool per graph).
