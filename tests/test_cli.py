@@ -48,6 +48,18 @@ def test_invalid_pipeline_exit_2_one_line_no_traceback(tmp_path):
     assert r.returncode == 2 and "Traceback" in r.stderr
 
 
+def test_run_with_inputs_validates_before_reading_input_names(capsys, tmp_path):
+    """--inputs on a pipeline without an input supertask: the validation error, not an internal one
+    from completing the inputs through names the pipeline cannot give yet."""
+    f = copy_example("tp_mlp", tmp_path)
+    doc = json.loads(f.read_text())
+    doc["supertasks"] = {k: st for k, st in doc["supertasks"].items() if st["kind"] != "input"}
+    f.write_text(json.dumps(doc))
+    code, out, err = cli(capsys, "run", f, "--inputs", GRAPHS / "tp_mlp" / "inputs.safetensors", "--processor",
+                         "reference", "--no-compile", "--warmup", "0", "--repeat", "1")
+    assert code == 2 and err == "fastpipe: error: supertasks: expected exactly one input supertask, found 0\n"
+
+
 def test_console_script_installed():
     import shutil
 

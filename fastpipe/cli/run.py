@@ -43,14 +43,16 @@ def cmd_run(args) -> int:
     if args.outputs:
         check_writable(args.outputs, "--outputs")
     p = read_pipeline(args.pipeline)
-    # pipeline inputs the file lacks, sliced through the metadata from the model input it holds
-    inputs = complete_inputs(p, read_tensors(args.inputs, "--inputs"), chunks=args.chunks) if args.inputs else None
+    given = read_tensors(args.inputs, "--inputs") if args.inputs else None
     expected = read_tensors(args.check, "--check") if args.check else None
     if args.trace:
         check_writable(args.trace, "--trace")
     t0 = time.perf_counter()
     sess = Session(p, device_map=device_map, load_options=load_options(args), run_options=run_options(args))
     load_s = time.perf_counter() - t0
+    # pipeline inputs the file lacks, sliced through the metadata from the model input it holds (once the
+    # pipeline is known valid: it names its inputs)
+    inputs = complete_inputs(p, given, chunks=args.chunks) if given is not None else None
     if inputs is None:   # integer inputs used as indices stay below the size of what they index (from its graphs)
         inputs = random_inputs(p, args.seed, bounds=sess.index_bounds)
         if args.chunks > 1:
