@@ -8,8 +8,10 @@ ignores ``layer_types``. A dynamic RoPE is refused as for Llama.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from fastpipe.builder.hf.families import llama
-from fastpipe.builder.hf.families.registry import FamilySpec, register_family
+from fastpipe.builder.hf.families.registry import register_family
 
 
 def check(config) -> None:
@@ -17,16 +19,6 @@ def check(config) -> None:
     llama.check_static_rope(config)
 
 
-SPEC = register_family(FamilySpec(
-    name="mistral",
-    model_types=("mistral",),
-    model_class="MistralForCausalLM",
-    layers=llama.LAYERS,
-    tp_rules=llama.tp_rules,
-    tp_attrs=llama.TP_ATTRS,
-    dims=llama.dims,
-    check=check,
-    sp_scatter=llama.SP_SCATTER,
-    sp_gather=llama.SP_GATHER,
-    notes=llama.NOTES,
-))
+# llama's spec (layers, tensor-parallel rules, dims, sequence-parallel points), with its own name, class and checks
+SPEC = register_family(dataclasses.replace(
+    llama.SPEC, name="mistral", model_types=("mistral",), model_class="MistralForCausalLM", check=check))

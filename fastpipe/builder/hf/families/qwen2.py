@@ -10,8 +10,10 @@ RoPE is refused as for Llama.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from fastpipe.builder.hf.families import llama
-from fastpipe.builder.hf.families.registry import FamilySpec, register_family
+from fastpipe.builder.hf.families.registry import register_family
 
 
 def check(config) -> None:
@@ -19,16 +21,7 @@ def check(config) -> None:
     llama.check_static_rope(config)
 
 
-SPEC = register_family(FamilySpec(
-    name="qwen2",
-    model_types=("qwen2",),
-    model_class="Qwen2ForCausalLM",
-    layers=llama.LAYERS,
-    tp_rules=llama.tp_rules,
-    tp_attrs=llama.TP_ATTRS,
-    dims=llama.dims,
-    check=check,
-    sp_scatter=llama.SP_SCATTER,
-    sp_gather=llama.SP_GATHER,
-    notes=llama.NOTES + ("q/k/v biases, sharded like their weights (dim 0)",),
-))
+# llama's spec (layers, tensor-parallel rules, dims, sequence-parallel points), with its own name, class and checks
+SPEC = register_family(dataclasses.replace(
+    llama.SPEC, name="qwen2", model_types=("qwen2",), model_class="Qwen2ForCausalLM", check=check,
+    notes=llama.NOTES + ("q/k/v biases, sharded like their weights (dim 0)",)))
