@@ -97,7 +97,7 @@ class Processor:
         """Keep what the flow made; with tiered compiles, no CUDA graph is captured around a graph about
         to be swapped (gate_replays). Returns self."""
         self.prepared = prepared
-        self._input_devices = self.program.input_devices()     # input -> the device its readers take it on
+        self._reader_devices = self.program.input_devices()     # input -> the device its readers take it on
         if prepared.background:
             from fastpipe.runtime.binding.release import weak_method
 
@@ -114,7 +114,7 @@ class Processor:
         """Session.run: check the inputs, split them into `chunks` micro-batches, run, write the trace
         (a path), and join the outputs back along dim 0."""
         p = self.prepared
-        pipeline, devices = p.pipeline, self._input_devices
+        pipeline, devices = p.pipeline, self._reader_devices
         events: list | None = [] if trace is not None else None
         if chunks == 1:
             from fastpipe.runtime.binding.inputs import check_inputs
