@@ -37,13 +37,13 @@ def processor_names(*, one_process: bool = False) -> tuple[str, ...]:
 
 
 def _per_rank(name: str) -> bool:
-    entry = _PROCESSORS[name]
-    return name in _PER_RANK_BUILT_IN if name in BUILT_IN else entry.one_process_per_rank
+    return name in _PER_RANK_BUILT_IN if name in BUILT_IN else _PROCESSORS[name].one_process_per_rank
 
 
 def register_processor(name: str, cls, *, replace: bool = False) -> None:
     """Make `cls` (a fastpipe.runtime.processors.base.Processor subclass) loadable as processor=`name`:
-    fastpipe.load(..., processor=name), RunOptions(processor=name), `fastpipe run --processor name`."""
+    fastpipe.load(..., processor=name), RunOptions(processor=name), and the CLI's --processor choices in a
+    process that registered it (fastpipe.cli.main.main called after the registration)."""
     from fastpipe.runtime.processors.base import Processor
 
     if not isinstance(name, str) or not name or name == AUTO:
