@@ -33,7 +33,8 @@ from fastpipe.errors import BuildError
 
 # files of a Hugging Face model folder that generation reads (the tokenizer, EOS, the config)
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+              "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+              "chat_template.jinja", "chat_template.json")        # where transformers saves a chat template
 
 
 def default_prompt_lens(max_len: int) -> list[int]:

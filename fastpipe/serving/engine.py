@@ -203,7 +203,13 @@ class Engine:
 
     @property
     def active(self) -> int:
+        """Rows decoding now."""
         return sum(r is not None for r in self.rows)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and waiting for a free row (the queue's depth)."""
+        return len(self._waiting)
 
     def _in_flight(self) -> list[Request]:
         return self._waiting + [row.req for row in self.rows if row is not None]

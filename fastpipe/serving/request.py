@@ -4,6 +4,7 @@
     for token in req: ...            # the tokens as they are made; each iterator gets the whole stream
     req.result(timeout=10)           # all of them once finished (TimeoutError: still running, unchanged)
     req.cancel()
+    req.on_change(callback)          # callback() after each token and at the end (an async bridge's hook)
 
 Every iterator starts at the first token and ends when the request finishes (raising what failed it,
 if it failed): iterators in several threads each see every token; iterating a finished request yields
@@ -31,6 +32,7 @@ class Request:
     error: BaseException | None = None
     _changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _cancel: bool = False
+    _listeners: list = field(default_factory=list, repr=False)
 
     def __iter__(self) -> Iterator[int]:
         i = 0
@@ -65,6 +67,33 @@ class Request:
         """Stop at the engine's next step (finish_reason "cancelled"; the tokens made so far stay)."""
         self._cancel = True
 
+    def since(self, start: int) -> tuple[list[int], bool]:
+        """(the tokens from index `start` on, whether the request is finished), read together."""
+        with self._changed:
+            return self.tokens[start:], self.finish_reason is not None
+
+    def on_change(self, callback) -> None:
+        """Call callback() (no arguments, from the engine's worker) after each token this request gets and
+        once it finishes; at once when it has tokens or is finished already. It must be quick and must not
+        raise (a server hands it to its event loop: loop.call_soon_threadsafe); one that raises is dropped."""
+        with self._changed:
+            self._listeners.append(callback)
+            now = bool(self.tokens) or self.finish_reason is not None
+        if now:
+            self._tell(callback)
+
+    def _tell(self, callback) -> None:
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - a listener gone (its event loop closed) must not fail the engine
+            with self._changed:
+                if callback in self._listeners:
+                    self._listeners.remove(callback)
+
+    def _notify(self) -> None:
+        for callback in list(self._listeners):
+            self._tell(callback)
+
     # the engine's side
     def _emit(self, token: int) -> bool:
         """Append a token; False (nothing appended) once the request is finished."""
@@ -73,7 +102,8 @@ class Request:
                 return False
             self.tokens.append(token)
             self._changed.notify_all()
-            return True
+        self._notify()
+        return True
 
     def _finish(self, reason: str, error: BaseException | None = None) -> None:
         """End the request (the first reason given stays)."""
@@ -82,3 +112,4 @@ class Request:
                 return
             self.finish_reason, self.error = reason, error
             self._changed.notify_all()
+        self._notify()
