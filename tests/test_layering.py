@@ -484,7 +484,7 @@ LAYERS = [
     (3, ("fastpipe.validate",)),
     (4, ("fastpipe.lower", "fastpipe.builder")),
     (5, ("fastpipe.runtime",)),
-    (6, ("fastpipe.session", "fastpipe.session_warmup", "fastpipe.serving", "fastpipe.model_io",
+    (6, ("fastpipe.session", "fastpipe.session_warmup", "fastpipe.serving", "fastpipe.server", "fastpipe.model_io",
          "fastpipe.random_inputs", "fastpipe.summary")),
     (7, ("fastpipe.cli", "fastpipe.__main__", "fastpipe")),
 ]

@@ -108,11 +108,11 @@ def test_newer_fused_run_supersedes_the_older_on_one_gpu():
 def test_not_measured_list_follows_the_results(tmp_path):
     name = "real_size_cpu_llama-3.2-1b_2026-11-28.json"
     folder = copy(tmp_path, name)
-    assert "Models of real size (1B parameters and up) on a GPU" in results_page.render(folder)
+    assert "Real-size models (1B and up) on a GPU" in results_page.render(folder)
     gpu = "real_size_h100_llama-3.2-1b_2026-11-28.json"
     shutil.copy(folder / name, folder / gpu)
     edit(folder, gpu, lambda d: d["machine"].update(device="NVIDIA H100 80GB HBM3"))
-    assert "Models of real size (1B parameters and up) on a GPU" not in results_page.render(folder)
+    assert "Real-size models (1B and up) on a GPU" not in results_page.render(folder)
 
 
 def test_malformed_file_is_named_with_its_field(tmp_path, capsys):
@@ -181,3 +181,27 @@ def test_model_is_the_results_own_geometry(tmp_path):
     (folder / old).rename(folder / new)
     edit(folder, new, lambda d: d.update(geometry="llama-3.2-1b"))
     assert "**llama-3.2-1b**, 16 layers" in results_page.render(folder)
+
+
+def test_serve_load_verdicts_follow_the_rows(tmp_path):
+    name = "serve_load_cpu_2026-11-28.json"
+    folder = copy(tmp_path, name)
+
+    def slow_http(doc):                  # HTTP at 80 % of the in-process throughput, 20 ms later to first token
+        doc["rows"]["http"]["tokens_per_s"] = 0.8 * doc["rows"]["in_process"]["tokens_per_s"]
+        doc["rows"]["http"]["ttft_p50_s"] = doc["rows"]["in_process"]["ttft_p50_s"] + 0.020
+
+    edit(folder, name, slow_http)
+    rows = table_rows(results_page.render(folder), "throughput") + table_rows(results_page.render(folder),
+                                                                               "time to first token, p50 |")
+    assert rows[0][4] == "0.80x" and rows[0][6] == "**no**"
+    assert rows[1][4] == "+20.0 ms" and rows[1][6] == "**no**"
+
+    def fast_http(doc):
+        doc["rows"]["http"]["tokens_per_s"] = doc["rows"]["in_process"]["tokens_per_s"]
+        doc["rows"]["http"]["ttft_p50_s"] = doc["rows"]["in_process"]["ttft_p50_s"] + 0.001
+
+    edit(folder, name, fast_http)
+    rows = table_rows(results_page.render(folder), "throughput") + table_rows(results_page.render(folder),
+                                                                               "time to first token, p50 |")
+    assert rows[0][6] == "yes" and rows[1][6] == "yes"

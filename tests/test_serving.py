@@ -1,5 +1,5 @@
 """Embedding fastpipe in a server: model-level calls, exact-size buckets sharing weights, threads.
-(Generation and the HTTP example: tests/test_generation_engine.py, tests/test_server_example.py.)"""
+(Generation: tests/test_generation_engine.py; the HTTP server: tests/test_server*.py.)"""
 import gc
 import threading
 import weakref

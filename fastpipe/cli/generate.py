@@ -24,11 +24,7 @@ def cmd_generate(args) -> int:
     from fastpipe.serving.tokenizer import Tokenizer, has_tokenizer
 
     folder = Path(args.serving_set)
-    if not folder.is_dir():
-        raise InputError(f"serving set: expected a folder written by `fastpipe build --serve`, found no folder \"{folder}\"")
-    if (folder / "pipeline.json").is_file() and not any(folder.glob("*/pipeline.json")):
-        raise InputError(f"serving set: expected prefill and decode pipelines in subfolders of \"{folder}\", found a "
-                         "single pipeline.json (build with `fastpipe build MODEL -o OUT --serve --max-len M`)")
+    check_serving_folder(folder)
     sampling = sampling_params(args)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens: expected an integer >= 1, found {args.max_new_tokens}")
@@ -138,9 +134,19 @@ def parse_ids(text: str, option: str) -> list[int]:
         raise InputError(f"{option}: expected comma-separated integer token ids, found {bad!r}") from None
 
 
-def open_engine(folder: Path, batch: int | None, **load_kwargs):
+def check_serving_folder(folder: Path) -> None:
+    """One InputError line unless `folder` looks like a serving set."""
+    if not folder.is_dir():
+        raise InputError(f"serving set: expected a folder written by `fastpipe build --serve`, found no folder \"{folder}\"")
+    if (folder / "pipeline.json").is_file() and not any(folder.glob("*/pipeline.json")):
+        raise InputError(f"serving set: expected prefill and decode pipelines in subfolders of \"{folder}\", found a "
+                         "single pipeline.json (build with `fastpipe build MODEL -o OUT --serve --max-len M`)")
+
+
+def open_engine(folder: Path, batch: int | None, *, largest: bool = False, **load_kwargs):
     """The Engine on the folder, not warmed up yet (ServingBuckets.warmup compiles every bucket).
-    batch None: the smallest decode bucket (one prompt runs on as few rows as the set allows)."""
+    batch None: the smallest decode bucket (one prompt runs on as few rows as the set allows), or with
+    largest=True the largest (a server: as many rows as the set allows)."""
     from fastpipe.serving.buckets import ServingBuckets
     from fastpipe.serving.engine import Engine
 
@@ -149,7 +155,8 @@ def open_engine(folder: Path, batch: int | None, **load_kwargs):
         rows = sorted(buckets.decodes)
         if batch is not None and batch not in rows:
             raise InputError(f"--batch: expected one of the decode buckets {rows}, found {batch}")
-        return Engine(folder, batch=batch if batch is not None else rows[0], buckets=buckets, warmup=False)
+        default = rows[-1] if largest else rows[0]
+        return Engine(folder, batch=batch if batch is not None else default, buckets=buckets, warmup=False)
     except BaseException:
         buckets.close()
         raise

@@ -4,8 +4,8 @@ Exit status: 0 success; 2 anything given is invalid (pipeline, param files,
 payloads, inputs, options); 1 a valid run failed or --check found a mismatch.
 Errors print as one line (`fastpipe: error: ...`); --verbose adds the traceback.
 The commands live in fastpipe.cli.show (validate, show), fastpipe.cli.run, fastpipe.cli.dist
-(multi-process runs), fastpipe.cli.build (also --serve: a serving set), fastpipe.cli.generate and
-fastpipe.cli.tune.
+(multi-process runs), fastpipe.cli.build (also --serve: a serving set), fastpipe.cli.generate,
+fastpipe.cli.serve (the OpenAI-compatible server) and fastpipe.cli.tune.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import difflib
 import sys
 import traceback
 
-from fastpipe.cli import build, generate, run, show, tune
+from fastpipe.cli import build, generate, run, serve, show, tune
 from fastpipe.cli.common import EXIT_FAILED
 from fastpipe.errors import FastpipeError, InputError
 from fastpipe.runtime.processors.registry import AUTO, processor_names
@@ -279,21 +279,27 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--batch", type=int, metavar="B",
                    help="decode bucket to run on (default: the smallest built; the prompt takes one of its rows)")
     g.add_argument("--ids", action="store_true", help="print token ids even when the folder has a tokenizer")
-    g.add_argument("--processor", choices=(AUTO,) + processor_names(one_process=True), default="auto",
-                   help="as for `fastpipe run` (default auto)")
-    g.add_argument("--device-map", metavar="MAP", help="slot placement, e.g. 0=cpu,1=cuda:0")
-    g.add_argument("--compile", choices=("background", "wait", "off"), default="background",
-                   help="background (default): the first token comes at once, eagerly, while each bucket compiles in "
-                        "the background as it is used, busiest first, and is swapped in once ready; wait: compile every "
-                        "bucket before the first token; off: never compile")
-    g.add_argument("--no-compile", action="store_true", help="the same as --compile off")
+    engine_flags(g)
     g.add_argument("--quiet", "-q", action="store_true", help="nothing on stderr but errors")
-    g.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    serve.add_parser(sub, engine_flags)
     return ap
 
 
+def engine_flags(p) -> None:
+    """The flags that load a serving set's engine (generate, serve)."""
+    p.add_argument("--processor", choices=(AUTO,) + processor_names(one_process=True), default="auto",
+                   help="as for `fastpipe run` (default auto)")
+    p.add_argument("--device-map", metavar="MAP", help="slot placement, e.g. 0=cpu,1=cuda:0")
+    p.add_argument("--compile", choices=("background", "wait", "off"), default="background",
+                   help="background (default): the first token comes at once, eagerly, while each bucket compiles in "
+                        "the background as it is used, busiest first, and is swapped in once ready; wait: compile every "
+                        "bucket before the first token; off: never compile")
+    p.add_argument("--no-compile", action="store_true", help="the same as --compile off")
+    p.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
 COMMANDS = {"validate": show.cmd_validate, "show": show.cmd_show, "run": run.cmd_run, "build": build.cmd_build,
-            "generate": generate.cmd_generate, "tune": tune.cmd_tune}
+            "generate": generate.cmd_generate, "serve": serve.cmd_serve, "tune": tune.cmd_tune}
 
 
 def main(argv: list[str] | None = None) -> int:
