@@ -12,7 +12,7 @@ Every figure comes from a fresh process (`subprocess`), its stdout read line by 
   hidden 512, vocabulary 8000, bfloat16, split tp=2): time to the first token on stdout; its tokens/s eager before
   the background compile was swapped in and compiled after (the CLI's closing lines), against the
   steady tokens/s of `--compile wait` (what "the compiled speed" is).
-- A ready server: examples/server.py on the same set, time to its "listening" line, then to the answer
+- A ready server: `fastpipe serve` on the same set, time to its "listening" line, then to the answer
   of a first request (16 tokens).
 - The library's decode step: `fastpipe.load(path)` with its defaults on a builder-made decode step of the
   same model (tp=2, a static cache of 256 positions), run until its compile settled (in this process),
@@ -125,18 +125,21 @@ def _free_port() -> int:
 def server(serving_set: Path, cache: Path) -> dict:
     port = _free_port()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "examples/server.py", str(serving_set), "--port", str(port), "--batch", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "fastpipe", "serve", str(serving_set), "--port", str(port),
+                             "--batch", "1"],
                             cwd=ROOT, env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         ready = time.perf_counter() - t0
         assert line.startswith("listening on"), line + proc.stderr.read()
-        body = json.dumps({"input_ids": PROMPT, "max_new_tokens": 16, "ignore_eos": True}).encode()
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "temperature": 0}).encode()
         t = time.perf_counter()
-        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body), timeout=600) as resp:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as resp:
             answer = json.loads(resp.read())
         first_answer = time.perf_counter() - t
-        assert len(answer["tokens"]) == 16, answer
+        assert answer["usage"]["completion_tokens"] == 16, answer
         return {"ready_s": round(ready, 3), "first_answer_s": round(first_answer, 3), "line": line.strip()}
     finally:
         proc.terminate()
@@ -208,7 +211,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="skip the --compile wait generate row and the server")
     args = ap.parse_args(argv)
     from bench.generation_cases import make_model, make_set
-    from bench.machine import machine_info
+    from bench.machine import machine_info, write_result
 
     work = Path(tempfile.mkdtemp(prefix="fastpipe_cold_"))
     try:
@@ -238,14 +241,7 @@ def main(argv=None) -> int:
         rows["library_decode_step"] = library_decode_step(model_dir, work / "decode", args.repeat)
         print(rows["library_decode_step"], flush=True)
         doc["rows"] = rows
-        dev = doc["machine"]["device"]
-        kind = "cpu" if dev == "cpu" else dev.split()[-1].lower()
-        out = Path(args.out) if args.out else ROOT / "bench" / "measured" / f"cold_start_{kind}_{doc['machine']['date']}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".partial")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        tmp.replace(out)
-        print(f"wrote {out}")
+        print(f"wrote {write_result('cold_start', doc, args.out)}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

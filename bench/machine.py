@@ -30,3 +30,19 @@ def machine_info() -> dict[str, str]:
     info["fastpipe"] = __version__
     info["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return info
+
+
+def write_result(report: str, doc: dict, out: str | None = None):
+    """Write a result document (doc["machine"] from machine_info) atomically to `out`, by default
+    bench/measured/<report>_<device>_<date>.json (device: "cpu", or the GPU's model, e.g. "h200"); the path."""
+    import json
+    from pathlib import Path
+
+    dev = doc["machine"]["device"]
+    kind = "cpu" if dev == "cpu" else dev.split()[-1].lower()
+    path = Path(out) if out else Path(__file__).resolve().parent / "measured" / f"{report}_{kind}_{doc['machine']['date']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    return path

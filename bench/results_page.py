@@ -4,7 +4,7 @@
     python -m bench.results_page --check    # exit 1 where BENCHMARKS.md is not what the results render
 
 Every result file is named <report>_<device>_..._<date>.json; its report (runtime, serving, fused, memory,
-real_size, scale, cold_start) picks its table (bench/results_tables.py). A fused-kernel run supersedes an older one on
+real_size, scale, cold_start, serve_load) picks its table (bench/results_tables.py). A fused-kernel run supersedes an older one on
 the same device (the grid is the same); every other file is a table of its own. Tables without a row to
 show (a file of baseline rows only) are left out.
 """
@@ -24,25 +24,26 @@ from bench import results_tables as tables  # noqa: E402
 # (report prefix, section title, what the section measures, renderer); the page's order
 SECTIONS = [
     ("real_size_", "Decode and prefill at real size",
-     "Random weights in the models' own geometries (DIR: `python -m bench.real_checkpoint <model> DIR`), split "
-     "tp=2. Baselines: transformers on a static cache and a gpt-fast-style model, both compiled; the faster one "
-     "is each row's. Logits checked against the same weights in float32.",
+     "Random weights in the models' geometries (`python -m bench.real_checkpoint <model> DIR`), tp=2, against "
+     "the faster of transformers (static cache) and a gpt-fast-style model, both compiled.",
      tables.real_size),
     ("scale_", "Build and load at real size",
-     "`fastpipe build` at each tp x pp, and `fastpipe.load` against safetensors' own load of the same files; each "
-     "measure in a fresh process, peak RSS its high-water mark. Builds link the checkpoint: no weight byte copied.",
+     "`fastpipe build` at each tp x pp, and `fastpipe.load` against safetensors' own load of the same files, "
+     "each in a fresh process.",
      tables.scale),
     ("cold_start_", "Ready in seconds: cold start",
-     "Fresh processes with fastpipe's compile cache empty (cold) and filled (warm): the time to the first "
-     "output and the speed reached later in the same run, with graphs compiled in the background.",
+     "Fresh processes, compile cache empty (cold) and filled (warm): the first output, and the speed reached "
+     "later in the same run.",
      tables.cold_start),
+    ("serve_load_", "The OpenAI server under load",
+     "`fastpipe serve` against the same requests through the engine in-process.",
+     tables.serve_load),
     ("runtime_", "The decode step on a GPU, at 4 layers",
-     "A small Llama split tp=2 on one GPU against the fastest compiled unsplit row of the run. At this size a "
-     "step is launch-bound: the rows measure launches and host work, not bandwidth.",
+     "A small Llama split tp=2 on one GPU against the fastest compiled unsplit row; at this size a step is "
+     "launch-bound.",
      tables.runtime),
     ("serving_", "Greedy decode on a GPU, at 4 layers",
-     "The engine's decode loop against transformers' `generate`, both on static caches, transformers compiled "
-     "with reduce-overhead; the target is the default engine's (compiled, replayed).",
+     "The engine's decode loop against transformers' `generate` (static cache, reduce-overhead).",
      tables.serving),
     ("fused_", "Fused matmul + collective kernels",
      "fastpipe's Triton kernels against the unfused path (the collective, then torch.mm) on the same GPU.",
@@ -61,18 +62,16 @@ computed from the rows against the report script's target (**no**: missed).
 
 HOW = """## How we measure
 
-- **Timing.** GPU: each sample is the mean of back-to-back calls over a few milliseconds between two
-  `torch.cuda.synchronize()`; the value is the median of the samples (p10/p90 in the raw rows). CPU: a
-  case's rows are sampled in turn, round after round, so drift moves them alike; the value is the median.
+- **Timing.** GPU: each sample is the mean of back-to-back calls between two synchronizations; the value
+  is the median of the samples. CPU: a case's rows are sampled in turn, round after round; the median.
 - **Warm-up.** Compilation, CUDA-graph capture and a first call run before any timed sample.
-- **Numerics.** Every fastpipe row's logits are checked against the unsplit model in float32, within a
-  tolerance set by the unsplit model's own error in the benchmark's dtype; greedy decode compares tokens.
-- **Baselines** run as their users run them: compiled (reduce-overhead on a GPU), on static caches (a
-  row on a cache built per call says so).
-  Hardware fractions are measured in the same rounds: a device copy for bandwidth (a decode step reads
-  every weight and the KV cache once), a bf16 matmul for FLOP/s (prefill).
-- **The CPU rows** come from a 2-core virtual machine whose copy bandwidth moves between runs: compare
-  ratios within a table, not times across tables.
+- **Numerics.** fastpipe's logits are checked against the unsplit model in float32, within the unsplit
+  model's own error in the benchmark's dtype; greedy decode compares tokens.
+- **Baselines** run as their users run them: compiled (reduce-overhead on a GPU), on static caches.
+  Hardware fractions are measured in the same rounds: a device copy for bandwidth, a bf16 matmul for
+  FLOP/s.
+- **The CPU rows** come from a 2-core virtual machine: compare ratios within a table, not times across
+  tables.
 """
 
 
@@ -111,14 +110,13 @@ def not_measured(files: list[tuple[str, dict]]) -> list[str]:
     def on_gpu(prefix):
         return [d for n, d in files if n.startswith(prefix) and d.get("machine", {}).get("device") != "cpu"]
 
-    out = ["Several GPUs: peer-to-peer copies, NCCL collectives, slots on separate GPUs' streams, and "
-           "torch.distributed across processes on GPUs. Every GPU row above holds all slots on one GPU."]
+    out = ["Several GPUs: peer copies, NCCL, a stream per GPU, torch.distributed on GPUs; every GPU row above "
+           "holds all slots on one GPU."]
     if not on_gpu("real_size_"):
-        out.append("Models of real size (1B parameters and up) on a GPU: decode at batch 1, 8 and 32, prefill at "
-                   "512 and 2048 tokens. The real-size rows above ran on a CPU.")
+        out.append("Real-size models (1B and up) on a GPU: decode at batch 1, 8 and 32, prefill at 512 and 2048 "
+                   "tokens.")
     if not any(d.get("device", "cpu") != "cpu" for d in on_gpu("scale_")):
-        out.append("Device memory after loading a real-size model, against weights + KV cache + the plan's "
-                   "activations.")
+        out.append("Device memory after loading a real-size model, against weights + KV cache + activations.")
     batches = {c.get("batch") for d in on_gpu("runtime_") for c in d.get("cases", [])}
     steps = {c.get("step") for d in on_gpu("runtime_") for c in d.get("cases", [])}
     if batches <= {1} or "prefill" not in steps:
@@ -126,7 +124,9 @@ def not_measured(files: list[tuple[str, dict]]) -> list[str]:
     sections = {k for d in on_gpu("serving_") for k in d.get("sections", {})}
     if not {"2", "3", "4"} <= sections:
         out.append("Serving on a GPU: continuous batching against one request at a time, memory over a long "
-                   "generation, weights shared by several buckets.")
+                   "generation, shared weights.")
+    if not on_gpu("serve_load_"):
+        out.append("`fastpipe serve` on a GPU.")
     if not any(r.get("section") == "pool" for d in on_gpu("memory_") for r in d.get("rows", [])):
         out.append("Several buckets' CUDA graphs sharing one memory pool.")
     out.append("Models of 70B parameters, at any degree of parallelism.")

@@ -341,7 +341,7 @@ def cold_start(name: str, doc: dict) -> list[str]:
     m = need(doc, "model", dict, name)
     model = (f"**README main job** (graphs/tp_mlp) and a random Llama ({m['layers']} layers, hidden {m['hidden']}, "
              f"vocabulary {m['vocab']}, tp={m['tp']}, max_len {m['max_len']}) served by `fastpipe generate`; cold: an "
-             "empty FASTPIPE_CACHE_DIR, warm: the same folder after the cold run.")
+             "empty FASTPIPE_CACHE_DIR.")
     head, lines = provenance(name, doc, "python -m bench.cold_start", model), []
     for mode in ("background", "wait"):
         r = rows.get(f"readme_{mode}")
@@ -378,3 +378,32 @@ def cold_start(name: str, doc: dict) -> list[str]:
                          "transformers, static cache, torch.compile", f"{lib['transformers_compiled_ms']:.3f} ms",
                          x(lib["ratio"]), f"<= {LIBRARY_RATIO_TARGET}x", met(lib["ratio"] <= LIBRARY_RATIO_TARGET)))
     return head + table([], lines)
+
+
+# ------------------------------------------------------------------------------------ HTTP server
+def serve_load(name: str, doc: dict) -> list[str]:
+    """bench/serve_load.py: the same streamed requests through `fastpipe serve` (HTTP) and through the engine
+    in-process: throughput, time to first token and inter-token latency, medians over rounds."""
+    from bench.serve_load import THROUGHPUT_KEPT_TARGET, TTFT_ADDED_TARGET_S
+
+    a, m = need(doc, "args", dict, name), need(doc, "model", dict, name)
+    http, base = need(doc, "rows.http", dict, name), need(doc, "rows.in_process", dict, name)
+    model = (f"{a['requests']} streams from {a['clients']} clients, {a['max_tokens']} tokens each; random Llama "
+             f"({m['layers']} layers, hidden {m['hidden']}), batch {m['batch']}, eager; "
+             f"medians of {a['rounds']} rounds.")
+    cmd = "python -m bench.serve_load"
+    kept = http["tokens_per_s"] / base["tokens_per_s"]
+    added = http["ttft_p50_s"] - base["ttft_p50_s"]
+    inproc = "in-process"
+    lines = [row("throughput", f"{http['tokens_per_s']:.0f} tok/s", inproc, f"{base['tokens_per_s']:.0f} tok/s",
+                 x(kept), f">= {THROUGHPUT_KEPT_TARGET:.2f}x", met(kept >= THROUGHPUT_KEPT_TARGET)),
+             row("time to first token, p50", ms(http["ttft_p50_s"]), inproc, ms(base["ttft_p50_s"]),
+                 f"{added * 1e3:+.1f} ms", f"<= +{TTFT_ADDED_TARGET_S * 1e3:.0f} ms", met(added <= TTFT_ADDED_TARGET_S))]
+    solo, solo_base = doc["rows"].get("http_solo"), doc["rows"].get("in_process_solo")
+    if solo and solo_base:
+        lines.append(row("time to first token, p50, one request at a time", ms(solo["ttft_p50_s"]), inproc,
+                         ms(solo_base["ttft_p50_s"]), f"{(solo['ttft_p50_s'] - solo_base['ttft_p50_s']) * 1e3:+.1f} ms",
+                         "", ""))
+    lines.append(row("inter-token latency, p50", ms(http["itl_p50_s"]), inproc, ms(base["itl_p50_s"]),
+                     x(http["itl_p50_s"] / base["itl_p50_s"]), "", ""))
+    return provenance(name, doc, cmd, model) + table([], lines)
