@@ -36,7 +36,7 @@ SECTIONS = [
      "later in the same run.",
      tables.cold_start),
     ("serve_load_", "The OpenAI server under load",
-     "`fastpipe serve` against the same requests through the engine in-process.",
+     "`fastpipe serve` against the engine in-process, on the same requests.",
      tables.serve_load),
     ("runtime_", "The decode step on a GPU, at 4 layers",
      "A small Llama split tp=2 on one GPU against the fastest compiled unsplit row; at this size a step is "
@@ -55,9 +55,9 @@ SECTIONS = [
 
 INTRO = """# Benchmarks
 
-Rendered by `python -m bench.results_page` from the raw results in `bench/measured/`; do not edit by hand.
-Each ratio compares rows of one run on one machine (below 1.0x: fastpipe takes less time); each verdict is
-computed from the rows against the report script's target (**no**: missed).
+Rendered from `bench/measured/` by `python -m bench.results_page`; do not edit. Ratios compare rows of one
+run (below 1.0x: fastpipe takes less time); verdicts are computed from the rows against each script's
+target (**no**: missed).
 """
 
 HOW = """## How we measure
@@ -123,12 +123,12 @@ def not_measured(files: list[tuple[str, dict]]) -> list[str]:
         out.append("The 4-layer decode step on a GPU at batch 8 and 32, and its prefill step.")
     sections = {k for d in on_gpu("serving_") for k in d.get("sections", {})}
     if not {"2", "3", "4"} <= sections:
-        out.append("Serving on a GPU: continuous batching against one request at a time, memory over a long "
-                   "generation, shared weights.")
+        out.append("Serving on a GPU: batching against one request at a time, memory over a long generation, "
+                   "shared weights.")
     if not on_gpu("serve_load_"):
         out.append("`fastpipe serve` on a GPU.")
     if not any(r.get("section") == "pool" for d in on_gpu("memory_") for r in d.get("rows", [])):
-        out.append("Several buckets' CUDA graphs sharing one memory pool.")
+        out.append("Buckets' CUDA graphs sharing one memory pool.")
     out.append("Models of 70B parameters, at any degree of parallelism.")
     return out
 

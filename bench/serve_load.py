@@ -7,16 +7,20 @@ The same requests two ways, alternating round after round:
 - **in-process**: the Engine in this process; `clients` threads each submit their requests one after
   another, iterate the tokens and detokenise them (TextStream), as a library user embedding the engine;
 - **HTTP**: `fastpipe serve` on the same serving set in a subprocess; `clients` concurrent connections
-  (httpx, asyncio), each POSTing its requests to /v1/completions one after another with stream=true and
+  (SSEClient on asyncio), each POSTing its requests to /v1/completions one after another with stream=true and
   reading the server-sent events (the server detokenises; return_token_ids gives each token's arrival).
-`requests` prompts of random lengths (token ids, seeded), each asking for `max_tokens` tokens (EOS
-ignored: every request makes the same number). Both run eagerly (--compile off) on the same serving set
-(batch buckets 1, 4, 16: the largest is the decode batch) with torch on one thread (--threads): the same
-work, the same cache, and a core left for the load generator, a minimal HTTP client (SSEClient) whose CPU
-would otherwise be taken from the engine on a small machine.
+`requests` prompts of random lengths (token ids, seeded), each asking for a random number of tokens
+(`output_lens`, EOS ignored: each makes exactly that many), as requests of real traffic differ: with
+one length for all, requests started together also end together, and the next ones arrive in waves.
+Both run eagerly (--compile off) on the same serving set (batch buckets 1, 4, 16: the largest is the
+decode batch) with torch on one thread (--threads): the same work, the same cache, and a core left for
+the load generator, a minimal HTTP client (SSEClient) whose CPU would otherwise be taken from the
+engine on a small machine.
 
 Then `solo` requests one at a time from one client, both ways: with nothing else running, the time to
-first token is the engine's prefill plus what the path itself adds.
+first token is the engine's prefill plus what the path itself adds. And (unless --no-waves) the same
+requests all at one length: a client's requests end together and the next ones arrive in waves, each
+waiting for a whole wave's prefill.
 
 Per round: throughput (tokens over the time from the first request sent to the last token received),
 time to first token (request sent -> its first token received) and inter-token latency (between a
@@ -71,11 +75,11 @@ def split_among(prompts: list, clients: int) -> list[list]:
 
 
 # ------------------------------------------------------------------------------------ in-process
-def run_in_process(engine, tok, prompts, clients: int, max_tokens: int) -> dict:
+def run_in_process(engine, tok, prompts, clients: int) -> dict:
     records, lock = [], threading.Lock()
 
     def client(mine):
-        for ids in mine:
+        for ids, max_tokens in mine:
             stream = tok.stream()
             sent = time.perf_counter()
             times = []
@@ -134,11 +138,11 @@ class SSEClient:
             self.writer.close()
 
 
-async def _http_client(url, mine, max_tokens, records):
+async def _http_client(url, mine, records):
     host, port = url.split("//")[1].split(":")
     client = SSEClient(host, int(port))
     try:
-        for ids in mine:
+        for ids, max_tokens in mine:
             body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
                     "return_token_ids": True}
             sent = time.perf_counter()
@@ -153,12 +157,12 @@ async def _http_client(url, mine, max_tokens, records):
         await client.close()
 
 
-def run_http(url, prompts, clients: int, max_tokens: int) -> dict:
+def run_http(url, prompts, clients: int) -> dict:
     records: list[dict] = []
 
     async def main():
         t0 = time.perf_counter()
-        await asyncio.gather(*(_http_client(url, mine, max_tokens, records)
+        await asyncio.gather(*(_http_client(url, mine, records)
                                for mine in split_among(prompts, clients)))
         return t0
 
@@ -202,11 +206,17 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1,
                     help="torch's intra-op threads in both paths (default 1: the other cores run the load generator "
                          "and the server's event loop)")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--output-lens", default="16-48", metavar="LO-HI",
+                    help="tokens each request asks for, drawn (seeded) from LO to HI (default 16-48, mean 32); "
+                         "32-32: every request the same length, so that a client's requests end, and its next "
+                         "arrive, in waves")
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--prompt-lens", default="32,64", help="prefill buckets; prompts are 4 to the largest tokens")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--solo", type=int, default=8, help="requests sent one at a time by one client, per round")
+    ap.add_argument("--no-waves", dest="waves", action="store_false",
+                    help="leave out the same requests at one output length (LO+HI)/2 (they end, and the next "
+                         "arrive, in waves)")
     ap.add_argument("--quick", action="store_true", help="2 layers, hidden 128, 16 requests, 2 rounds")
     ap.add_argument("--out", help="result file (default bench/measured/serve_load_<device>_<date>.json)")
     args = ap.parse_args(argv)
@@ -239,20 +249,25 @@ def main(argv=None) -> int:
         tok = Tokenizer.load(folder / "set")
         vocab = len(tok.hf)
         rng = random.Random(0)
-        prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(4, max(lens)))] for _ in range(args.requests)]
+        lo, hi = (int(v) for v in args.output_lens.split("-"))
+        prompts = [([rng.randrange(3, vocab) for _ in range(rng.randint(4, max(lens)))], rng.randint(lo, hi))
+                   for _ in range(args.requests)]
+        waves = [(ids, (lo + hi) // 2) for ids, _ in prompts]        # the same prompts, one length for all
         warm = prompts[:args.clients]
         engine = Engine(folder / "set", compile="off", batch=batch)
         proc, url = start_server(folder / "set", batch, args.threads)
-        rounds = {"in_process": [], "http": [], "in_process_solo": [], "http_solo": []}
+        # path -> (requests, clients) of each round's run
+        loads = {"": (prompts, args.clients), "_solo": (prompts[:args.solo], 1)}
+        if args.waves:
+            loads["_waves"] = (waves, args.clients)
+        rounds = {f"{path}{load}": [] for load in loads for path in ("in_process", "http")}
         try:
-            run_in_process(engine, tok, warm, args.clients, args.max_tokens)          # warm-up, untimed
-            run_http(url, warm, args.clients, args.max_tokens)
+            run_in_process(engine, tok, warm, args.clients)          # warm-up, untimed
+            run_http(url, warm, args.clients)
             for k in range(args.rounds):
-                rounds["in_process"].append(run_in_process(engine, tok, prompts, args.clients, args.max_tokens))
-                rounds["http"].append(run_http(url, prompts, args.clients, args.max_tokens))
-                solo = prompts[:args.solo]            # one request at a time: what HTTP itself costs
-                rounds["in_process_solo"].append(run_in_process(engine, tok, solo, 1, args.max_tokens))
-                rounds["http_solo"].append(run_http(url, solo, 1, args.max_tokens))
+                for load, (reqs, clients) in loads.items():
+                    rounds[f"in_process{load}"].append(run_in_process(engine, tok, reqs, clients))
+                    rounds[f"http{load}"].append(run_http(url, reqs, clients))
                 ip, ht = rounds["in_process"][-1], rounds["http"][-1]
                 print(f"round {k}: in-process {ip['tokens_per_s']:.0f} tok/s, TTFT p50 {ip['ttft_p50_s'] * 1e3:.1f} ms; "
                       f"HTTP {ht['tokens_per_s']:.0f} tok/s, TTFT p50 {ht['ttft_p50_s'] * 1e3:.1f} ms", flush=True)

@@ -13,10 +13,11 @@ from bench import serve_load  # noqa: E402
 def test_serve_load_runs_both_paths_and_writes_its_result(tmp_path):
     out = tmp_path / "serve_load.json"
     assert serve_load.main(["--quick", "--requests", "6", "--clients", "3", "--rounds", "1", "--solo", "2",
-                            "--max-tokens", "4", "--batches", "1,4", "--out", str(out)]) == 0
+                            "--output-lens", "4-4", "--batches", "1,4", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    for path, n in (("in_process", 6), ("http", 6), ("in_process_solo", 2), ("http_solo", 2)):
+    for path, n in (("in_process", 6), ("http", 6), ("in_process_solo", 2), ("http_solo", 2), ("in_process_waves", 6),
+                    ("http_waves", 6)):
         assert rows[path]["tokens"] == n * 4                       # every request made all its tokens
         assert 0 < rows[path]["ttft_p50_s"] <= rows[path]["ttft_p99_s"]
     assert doc["throughput_kept"] == pytest.approx(rows["http"]["tokens_per_s"] / rows["in_process"]["tokens_per_s"])
