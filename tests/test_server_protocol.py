@@ -103,13 +103,18 @@ def run_stops(pieces, stops):
     return out, s.stopped
 
 
-def whole_cut(text, stops):
-    """The reference: the text before the earliest occurrence of any stop string."""
-    hits = [(text.find(s), s) for s in stops if s and s in text]
-    if not hits:
-        return text, None
-    i, s = min(hits)
-    return text[:i], s
+def causal_cut(pieces, stops):
+    """The reference, as generation meets the text: after each piece, if a stop string has appeared, the text
+    before the earliest one then (a stop string that would only have been completed later, by text never
+    generated, does not count)."""
+    text = ""
+    for piece in pieces:
+        text += piece
+        hits = [(text.find(s), s) for s in stops if s and s in text]
+        if hits:
+            i, s = min(hits)
+            return text[:i], s
+    return text, None
 
 
 def test_stop_strings_cut_where_they_start_and_hold_back_their_prefixes():
@@ -129,10 +134,14 @@ def test_stop_strings_cut_where_they_start_and_hold_back_their_prefixes():
 @given(text=st.text(alphabet="abcAB 東🙂\n", max_size=40),
        stops=st.lists(st.text(alphabet="abcAB 東🙂\n", min_size=1, max_size=4), max_size=4),
        cuts=st.lists(st.integers(0, 40), max_size=10))
-def test_streamed_text_equals_the_whole_text_cut_at_the_first_stop(text, stops, cuts):
+def test_streamed_text_is_the_text_cut_at_the_first_stop_string_to_appear(text, stops, cuts):
     bounds = sorted({c for c in cuts if c <= len(text)} | {0, len(text)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    assert run_stops(pieces, stops) == whole_cut(text, stops)
+    out, stopped = run_stops(pieces, stops)
+    assert (out, stopped) == causal_cut(pieces, stops)
+    assert text.startswith(out) and not any(s in out for s in stops if s)
+    if not any(s in text for s in stops if s):
+        assert out == text and stopped is None
 
 
 # --------------------------------------------------------------------------------------------- metrics

@@ -12,8 +12,10 @@
 The text is checked as decoded text, never as tokens: a stop string split over several tokens is found,
 and since the pieces come from TextStream (never half a character), a cut never splits one. While the
 text ends in a proper prefix of a stop string ("EN" of "END"), that tail is held back: it is sent once
-the next piece shows it is not the stop string, or at finish(). Streamed and whole answers are the same
-text: the concatenation of add()s and finish() is the text up to the first stop string (or all of it).
+the next piece shows it is not the stop string, or at finish(). The concatenation of add()s and
+finish() is the text before the first stop string to appear as the text is made (checked after each
+piece, as generation stops there: a longer stop string starting earlier that only later text would
+complete does not count), or all of it. The server cuts whole and streamed answers alike, piece by piece.
 """
 from __future__ import annotations
 
