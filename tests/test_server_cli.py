@@ -114,14 +114,19 @@ def _streams(url, n, max_tokens):
     return threads, results
 
 
-def test_sigterm_lets_in_flight_streams_finish_and_exits_0(serve):
-    s = serve("--grace", "60")
-    threads, results = _streams(s.url, 4, MAX_LEN - 3)
+def _sigterm_under_load(s, n: int) -> list:
+    """SIGTERM while n streams run: the exit status 0 checked, each stream's events once it ended."""
+    threads, results = _streams(s.url, n, MAX_LEN - 3)
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(timeout=120) == 0, s.stderr()
     for t in threads:
         t.join(60)
-    for events in results:
+    return results
+
+
+def test_sigterm_lets_in_flight_streams_finish_and_exits_0(serve):
+    s = serve("--grace", "60")
+    for events in _sigterm_under_load(s, 4):
         assert events[-1] == "[DONE]", events[-3:]
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"        # ran to the end
     with pytest.raises(httpx.ConnectError):
@@ -131,12 +136,7 @@ def test_sigterm_lets_in_flight_streams_finish_and_exits_0(serve):
 
 def test_sigterm_past_the_grace_period_ends_streams_with_an_error_event(serve):
     s = serve("--grace", "0")
-    threads, results = _streams(s.url, 3, MAX_LEN - 3)
-    s.proc.send_signal(signal.SIGTERM)
-    assert s.proc.wait(timeout=120) == 0, s.stderr()
-    for t in threads:
-        t.join(60)
-    for events in results:                      # each had ~250 tokens to go: all were running at the signal
+    for events in _sigterm_under_load(s, 3):    # each had ~250 tokens to go: all were running at the signal
         assert events[-1] == "[DONE]", events[-3:]
         assert json.loads(events[-2])["error"]["code"] == "shutting_down", events[-2]
         assert len(events) < MAX_LEN - 3

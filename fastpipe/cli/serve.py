@@ -27,11 +27,10 @@ def cmd_serve(args) -> int:
         v = getattr(args, name)
         if v is not None and v <= 0:
             raise InputError(f"--{name.replace('_', '-')}: expected a number > 0, found {v}")
-    try:
-        from fastpipe.server import ServerSettings, make_app, serve
-        import uvicorn  # noqa: F401 - refuse now, before loading, where the extra is missing
-    except ImportError as e:
-        raise InputError(f"serve: needs starlette and uvicorn (pip install 'fastpipe[serve]'), found: {e}") from None
+    from fastpipe.server import require_extra
+
+    require_extra()                        # refused now, before loading, where the extra is missing
+    from fastpipe.server import ServerSettings, make_app, serve
     from fastpipe.server.run import bind
 
     tok = Tokenizer.load(folder, who="serve") if has_tokenizer(folder) else None

@@ -12,18 +12,16 @@ Importing this package imports neither Starlette nor uvicorn; make_app and serve
 """
 from __future__ import annotations
 
-__all__ = ["ServerSettings", "make_app", "serve"]
+from fastpipe.server.extra import require_extra
+
+__all__ = ["ServerSettings", "make_app", "require_extra", "serve"]
 
 
 def __getattr__(name: str):
     if name in ("ServerSettings", "make_app"):
-        try:
-            from fastpipe.server import app
-        except ImportError as e:
-            from fastpipe.errors import InputError
+        require_extra()
+        from fastpipe.server import app
 
-            raise InputError(f"serve: needs starlette and uvicorn (pip install 'fastpipe[serve]'), found: {e}") \
-                from None
         return getattr(app, name)
     if name == "serve":
         from fastpipe.server.run import serve

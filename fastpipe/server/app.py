@@ -169,9 +169,9 @@ def _max_new_tokens(state: ServerState, ask: Ask, n_prompt: int) -> int:
     if ask.max_tokens is None:
         return min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if ask.route == "completions" else room
     if ask.max_tokens > room:
-        name = "max_tokens"
-        raise ApiError(400, f"{name}: expected at most {room} (max_len {engine.max_len} less the prompt's {n_prompt} "
-                            f"tokens), found {ask.max_tokens}", param=name, code="context_length_exceeded")
+        raise ApiError(400, f"max_tokens: expected at most {room} (max_len {engine.max_len} less the prompt's "
+                            f"{n_prompt} tokens), found {ask.max_tokens}", param="max_tokens",
+                       code="context_length_exceeded")
     return ask.max_tokens
 
 

@@ -100,8 +100,7 @@ def parse_request(route: str, body: bytes, *, model: str) -> Ask:
                        code="unrecognized_argument")
     for name, neutral in _NEUTRAL[route].items():
         v = data.get(name)
-        if v is not None and not any(v == n and type(v) is type(n) or (_number(v) and _number(n) and v == n)
-                                     for n in neutral):
+        if v is not None and not any(_same(v, n) for n in neutral):
             shown = " or ".join(json.dumps(n) for n in ("null",) + neutral).replace('"null"', "null")
             raise ApiError(400, f"{name}: not supported by this server: expected {shown}, found {json.dumps(v)[:80]}",
                            param=name, code="unsupported_parameter")
@@ -143,6 +142,11 @@ def parse_request(route: str, body: bytes, *, model: str) -> Ask:
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _same(v, neutral) -> bool:
+    """v is the neutral value: numbers by value (0 == 0.0), anything else of the same type (false is not 0)."""
+    return v == neutral and (type(v) is type(neutral) or (_number(v) and _number(neutral)))
 
 
 def _flag(data: dict, name: str, where: str | None = None) -> bool:

@@ -23,16 +23,6 @@ import threading
 BACKLOG = 2048
 
 
-def _uvicorn():
-    try:
-        import uvicorn
-    except ImportError as e:
-        from fastpipe.errors import InputError
-
-        raise InputError(f"serve: needs uvicorn and starlette (pip install 'fastpipe[serve]'), found: {e}") from None
-    return uvicorn
-
-
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (0: a free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -55,7 +45,10 @@ def server_for(app, *, log_level: str = "warning", grace: float = 30.0, on_signa
     """A uvicorn Server for `app` whose signal handlers begin the drain (on_signal, on the loop) and do not
     re-raise the signal afterwards. uvicorn's own grace (its backstop: it cancels the handlers' tasks) is
     the app's grace plus 10 s."""
-    uvicorn = _uvicorn()
+    from fastpipe.server.extra import require_extra
+
+    require_extra()
+    import uvicorn
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager

@@ -91,8 +91,9 @@ class Request:
                     self._listeners.remove(callback)
 
     def _notify(self) -> None:
-        for callback in list(self._listeners):
-            self._tell(callback)
+        if self._listeners:                   # every token of every request passes here
+            for callback in list(self._listeners):
+                self._tell(callback)
 
     # the engine's side
     def _emit(self, token: int) -> bool:
