@@ -162,3 +162,12 @@ def test_a_taken_port_is_one_line(serving_set, serve):
     r = subprocess.run([sys.executable, "-m", "fastpipe", "serve", str(serving_set), "--port", port, "--no-compile"],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
     assert r.returncode == 2 and f"--port: expected a free port on 127.0.0.1, found {port} taken" in r.stderr
+
+
+def test_without_the_serve_extra_it_says_which_extra(serving_set, monkeypatch, capsys):
+    from fastpipe.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)          # as if not installed
+    assert main(["serve", str(serving_set), "--port", "0", "--no-compile"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs starlette and uvicorn (pip install 'fastpipe[serve]')" in err[0]
