@@ -6,7 +6,7 @@ The socket is bound here (port 0: a free one), with a listen backlog of 2048, so
 connections waits in the kernel's queue instead of being reset, and `ready` is told the real address
 once uvicorn accepts on it.
 
-SIGTERM or SIGINT (a second one: at once): no new connections and no new requests (503, /health 503);
+SIGTERM or SIGINT (a second SIGINT: at once): no new connections and no new requests (503, /health 503);
 the requests in flight go on for `settings.grace` seconds, then end (their answers say so: 503, or an
 error event in a stream); the engine closes (cancelling what is left) and serve() returns, so that the
 process exits 0. uvicorn's own handling re-raises the signal after its shutdown (the exit status would
