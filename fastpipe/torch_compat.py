@@ -12,6 +12,7 @@ names ``torch._<something>``).
     fx_tracing_lock()              the lock every torch.compile holds while it traces; make_fx elsewhere takes it too
     inductor_default_cache_dir()   the folder inductor caches in when TORCHINDUCTOR_CACHE_DIR is unset (torch._inductor)
     make_graph_module(...)         a GraphModule whose code is generated lazily (torch.fx)
+    lazy_graph_modules()           inside it, make_fx's GraphModules generate their code lazily too (torch.fx)
     end_pool_routing(device, pool) stop routing allocations into a failed capture's pool (torch._C)
     foreach_copy_(dst, src)        dst[i].copy_(src[i]) for every i in one launch where it can (torch._foreach_copy_)
 
@@ -135,6 +136,18 @@ def make_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, class_name: 
     if _Lazy is not None:
         return _Lazy(root, graph, class_name)
     return torch.fx.GraphModule(root, graph, class_name)  # pragma: no cover
+
+
+def lazy_graph_modules():
+    """A context inside which torch.fx's own GraphModules (make_fx's among them) are lazy, as
+    ``make_graph_module``'s are: the builder makes hundreds and calls none of them."""
+    import contextlib
+
+    try:  # private, beside _LazyGraphModule
+        from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    except ImportError:  # pragma: no cover - the GraphModules generate their code at once
+        return contextlib.nullcontext()
+    return _use_lazy_graph_module(True)
 
 
 def end_pool_routing(device_index: int, pool) -> bool:

@@ -14,11 +14,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fastpipe import dtypes
 from fastpipe.atomic import write_text
 from fastpipe.builder.emit import Emitter, IOSpec, RankGraph, StoredParam
+from fastpipe.builder.rank_forms import RankForms
 from fastpipe.builder.rewrite import shard_module
 from fastpipe.builder.sharding import apply_sharding
 from fastpipe.errors import BuildError
 from fastpipe.format import parse_pipeline
-from fastpipe.torch_compat import FakeTensorMode, fx_tracing_lock
+from fastpipe.torch_compat import FakeTensorMode, fx_tracing_lock, lazy_graph_modules
 from fastpipe.validate import validate_structure
 
 
@@ -101,7 +102,7 @@ def trace_rank(local: nn.Module, param_names: Sequence[str], forward: Callable, 
         out = forward(local, params, *xs[n:])
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
-    with fx_tracing_lock():              # FX's tracing state is global: never beside a background compile
+    with fx_tracing_lock(), lazy_graph_modules():   # FX's tracing state is global: never beside a compile
         return make_fx(flat, tracing_mode="fake")(*fparams, *finputs)
 
 
@@ -134,13 +135,15 @@ def build(module: nn.Module, example_inputs: Sequence[torch.Tensor], *, tp: int 
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     out_names = list(output_names or (["output"] if len(outs) == 1 else [f"output_{i}" for i in range(len(outs))]))
     emitter = Emitter(name or type(module).__name__, tp, pp, lambda p: StoredParam("weights.safetensors", p))
+    forms = RankForms()                  # ranks of one form share one trace
+    buffers = {n: b for n, b in module.named_buffers()}
     for rank in range(tp):
         local, sources = shard_module(module, plan or {}, rank, tp, sequence_parallel=sequence_parallel,
                                       split_points=stages)
         pnames = [n for n, _ in local.named_parameters()]
-        buffers = {n: b for n, b in module.named_buffers()}
         shapes = [(sources[n].shape, dict(local.named_parameters())[n].dtype) for n in pnames]
-        gm = trace_rank(local, pnames, _default_forward, shapes, example_inputs, constants=buffers)
+        gm = forms.graph(local, (tuple(pnames), tuple(shapes)), lambda local=local, pnames=pnames, shapes=shapes:
+                         trace_rank(local, pnames, _default_forward, shapes, example_inputs, constants=buffers))
         apply_sharding(gm, rank, tp)
         rg = RankGraph(
             gm, [sources[n] for n in pnames],

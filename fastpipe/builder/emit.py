@@ -22,6 +22,7 @@ from fastpipe.builder.markers import PIPE_SPLIT
 from fastpipe.builder.sources import Source
 from fastpipe.errors import BuildError
 from fastpipe.payload import encode_payload
+from fastpipe.torch_compat import make_graph_module
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ class Emitter:
             for n in needed_free:
                 if n.op == "get_attr":
                     root.register_buffer(n.target, getattr(gm, n.target), persistent=False)
-            sub = fx.GraphModule(root, g)
+            sub = make_graph_module(root, g, "GraphModule")    # encoded, never called: no code generated
             sid = self._sid()
             inputs = [value_on(e, slot, stage) for e in ext]
             self.doc["supertasks"][sid] = {"kind": "fx", "inputs": inputs, "outputs": [], "device": slot}

@@ -7,6 +7,10 @@
     layout(x, spec) / require(x, spec)   # the same as a pair, for layouts that propagate through
                                          # shape-preserving ops before they meet their consumer
     pipe_split(x, stage)          # x crosses into pipeline stage `stage`
+    vocab_offset(ids, vocab, tp)  # ids minus the first vocab row this rank holds (blocks of ceil(vocab/tp)):
+                                  # the one rank-dependent value of a vocab-sharded embedding, so one
+                                  # trace serves every rank (fastpipe.builder.rank_forms); the sharding
+                                  # pass writes in each rank's own offset
 
 They are identity functions (a copy, since custom ops may not alias) registered
 as torch ops in the `fastpipe` namespace, so make_fx records them as nodes and
@@ -80,11 +84,28 @@ def transition_shape(shape: tuple[int, ...], src: str, dst: str, tp: int) -> tup
     return comm_output_shape(comm.kind, shape, tp, comm.params)
 
 
+@torch.library.custom_op(f"{_LIB}::vocab_offset", mutates_args=())
+def vocab_offset(ids: torch.Tensor, vocab: int, tp: int) -> torch.Tensor:
+    """A stand-in (rank 0's offset, 0): the sharding pass replaces it with ids - the rank's first row."""
+    return ids.clone()
+
+
+@vocab_offset.register_fake
+def _(ids, vocab, tp):
+    return torch.empty_like(ids)
+
+
+def vocab_block_start(rank: int, tp: int, vocab: int) -> int:
+    """The first vocab row rank ``rank`` holds: blocks of ceil(vocab/tp) rows, the last ones short or empty."""
+    return min(vocab, rank * -(-vocab // tp))
+
+
 TRANSITION = torch.ops.fastpipe.transition.default
 LAYOUT = torch.ops.fastpipe.layout.default
 REQUIRE = torch.ops.fastpipe.require.default
 PIPE_SPLIT = torch.ops.fastpipe.pipe_split.default
-MARKERS = (LAYOUT, REQUIRE, PIPE_SPLIT, TRANSITION)
+VOCAB_OFFSET = torch.ops.fastpipe.vocab_offset.default
+MARKERS = (LAYOUT, REQUIRE, PIPE_SPLIT, TRANSITION, VOCAB_OFFSET)
 
 
 def parse_spec(spec: str):

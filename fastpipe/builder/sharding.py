@@ -12,6 +12,9 @@ communication `comm_between(P, C)` is inserted:
     Partial -> Replicate : all_reduce          Partial -> Shard(d): reduce_scatter(d)
     Shard(d) -> Replicate: all_gather(d)       Shard(a) -> Shard(b): all_to_all
     Replicate -> Shard(d): a local slice (no communication)
+
+It also writes in the rank's own values where the traced graph holds none, so one trace serves every
+rank (fastpipe.builder.rank_forms): `vocab_offset(ids, V, tp)` becomes `ids - ` the rank's first vocab row.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from fastpipe.builder.graph_split import comm_point
-from fastpipe.builder.markers import LAYOUT, REQUIRE, TRANSITION, parse_spec
+from fastpipe.builder.markers import LAYOUT, REQUIRE, TRANSITION, VOCAB_OFFSET, parse_spec, vocab_block_start
 from fastpipe.errors import BuildError
 
 aten = torch.ops.aten
@@ -45,6 +48,13 @@ def apply_sharding(gm: fx.GraphModule, rank: int, tp: int) -> int:
     from fastpipe.builder.dimops import Replicate, comm_between
 
     count = 0
+    for n in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is VOCAB_OFFSET]:
+        ids, vocab, n_ranks = n.args
+        with gm.graph.inserting_before(n):
+            shifted = gm.graph.call_function(aten.sub.Tensor, (ids, vocab_block_start(rank, n_ranks, vocab)))
+        shifted.meta["val"] = n.meta["val"]
+        n.replace_all_uses_with(shifted)
+        gm.graph.erase_node(n)
     for t in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is TRANSITION]:
         x, src, dst, _ = t.args
         comm = comm_between(parse_spec(src), parse_spec(dst))

@@ -17,7 +17,6 @@ Linear weights are stored [out, in] (nn.Linear) or [in, out] (GPT-2's Conv1D,
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
@@ -110,14 +109,16 @@ class RowLinear(nn.Module):
 class VocabEmbedding(nn.Module):
     """Rows [r*ceil(V/n), min(V, (r+1)*ceil(V/n))) on rank r; other ids give zeros; partial sums reduced."""
 
+    RANK_FIELDS = ("start", "stop")     # reach the graph through the vocab_offset marker only
+
     def __init__(self, name: str, weight_shape, rank: int, tp: int, *, reduce_to: str = "replicate",
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         vocab, dim = weight_shape
-        block = math.ceil(vocab / tp)
-        self.start = min(vocab, rank * block)
-        self.stop = min(vocab, (rank + 1) * block)
+        self.start = markers.vocab_block_start(rank, tp, vocab)
+        self.stop = markers.vocab_block_start(rank + 1, tp, vocab)
         self.rows, self.dim, self.reduce_to, self.tp, self.dtype = self.stop - self.start, dim, reduce_to, tp, dtype
+        self.vocab = vocab
         self.sources = {}
         if self.rows:
             src = Source.slice(f"{name}.weight", weight_shape, 0, self.start, self.stop)
@@ -128,7 +129,7 @@ class VocabEmbedding(nn.Module):
         if self.rows == 0:
             y = torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
         else:
-            local = ids - self.start
+            local = markers.vocab_offset(ids, self.vocab, self.tp)     # ids - self.start, written in per rank
             inside = (local >= 0) & (local < self.rows)
             y = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
         return markers.transition(y, "partial:sum", self.reduce_to, self.tp)

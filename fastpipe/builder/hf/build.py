@@ -26,6 +26,7 @@ import re
 from pathlib import Path
 
 import torch
+import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fastpipe import dtypes
@@ -37,12 +38,13 @@ from fastpipe.builder.hf.checkpoint import checkpoint_index
 from fastpipe.builder.hf.families import FamilySpec, get_family, registered_families
 from fastpipe.builder.hf.load import load_skeleton
 from fastpipe.builder.hf.trace import flat_signature, traced_forward
+from fastpipe.builder.rank_forms import RankForms
 from fastpipe.builder.sharding import apply_sharding
 from fastpipe.builder.sources import Source
 from fastpipe.builder.tp_layers import ColumnLinear, RowLinear, VocabEmbedding
 from fastpipe.errors import BuildError
 from fastpipe.format import parse_pipeline
-from fastpipe.torch_compat import FakeTensorMode, fx_tracing_lock
+from fastpipe.torch_compat import FakeTensorMode, fx_tracing_lock, lazy_graph_modules
 from fastpipe.validate import validate_structure
 
 def even_split_points(family: str | FamilySpec, n_layers: int, pp: int) -> list[str]:
@@ -162,6 +164,24 @@ def _pipe_split(stage: int):
     return hook
 
 
+def _trace_rank(ff, local, pnames: list[str]) -> fx.GraphModule:
+    """make_fx of a rank-local model's flat forward, its parameters as the first placeholders (fake)."""
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in local.named_parameters()}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fparams = [torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in pnames]
+        finputs = [torch.empty(t.shape, dtype=t.dtype) for t in ff.signature.inputs]
+    n = len(pnames)
+
+    def flat(*xs):
+        return tuple(ff.fn(dict(zip(pnames, xs[:n])), *xs[n:]))
+
+    with fx_tracing_lock(), lazy_graph_modules():   # FX's tracing state is global: never beside a compile
+        gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*fparams, *finputs)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
 def build_hf(model_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 1, seq_len: int = 128,
              past_len: int | None = None, split_points: list[str] | None = None,
              sequence_parallel: bool = False, dtype: torch.dtype | None = None,
@@ -194,6 +214,7 @@ def build_hf(model_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 1,
             + ("-last-logits" if last_logits else ""))
     files = sorted({st.file for st in index.values()})
     emitter = Emitter(name, tp, pp, lambda p: StoredParam(index[p].file, index[p].name_in_file))
+    forms = RankForms()                  # ranks of one form share one trace (most of a build's time)
     for rank in range(tp):
         local, sources = rank_local(model, spec, plan, rank, tp, sequence_parallel=sequence_parallel,
                                     split_points=stages)
@@ -201,20 +222,9 @@ def build_hf(model_dir: str | Path, *, tp: int = 1, pp: int = 1, batch: int = 1,
                             num_kv_heads=kv_local, max_len=max_len, last_logits=last_logits,
                             cache_rows=cache_rows)
         pnames = list(ff.param_names)
-        shapes = {n: (tuple(p.shape), p.dtype) for n, p in local.named_parameters()}
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            fparams = [torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in pnames]
-            finputs = [torch.empty(t.shape, dtype=t.dtype) for t in ff.signature.inputs]
-        n = len(pnames)
-
-        def flat(*xs, ff=ff, n=n, pnames=pnames):
-            return tuple(ff.fn(dict(zip(pnames, xs[:n])), *xs[n:]))
-
-        with fx_tracing_lock():          # FX's tracing state is global: never beside a background compile
-            gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*fparams, *finputs)
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
+        signature = tuple((tuple(t.shape), t.dtype) for t in (*ff.signature.inputs, *ff.signature.outputs))
+        gm = forms.graph(local, (tuple(pnames), signature), lambda ff=ff, local=local, pnames=pnames:
+                         _trace_rank(ff, local, pnames))
         apply_sharding(gm, rank, tp)
         heads = plans.kv_heads_for_rank(rank, tp, plan.n_q_heads, plan.n_kv_heads)
 
