@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import sys
 
@@ -41,6 +42,14 @@ def _file_mappings(suffix: str = ".safetensors") -> list[tuple[int, int]]:
     except OSError:
         return []
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_madvise():
+    """libc's madvise, found once: ctypes.util.find_library runs a subprocess (ldconfig) each call."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -66,12 +75,11 @@ def release(tensors) -> int:
     if not ranges:
         return 0
     maps = _file_mappings()
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise = _libc_madvise()
     done = 0
     for lo, hi in ranges:
         for mlo, mhi in maps:
             a, b = max(lo, mlo), min(hi, mhi)
-            if b > a and libc.madvise(a, b - a, MADV_DONTNEED) == 0:
+            if b > a and madvise(a, b - a, MADV_DONTNEED) == 0:
                 done += b - a
     return done
