@@ -45,14 +45,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import gpu_slug  # noqa: E402
 from fastpipe.atomic import write_text  # noqa: E402
 from fastpipe.kernels.fusion_rule import dump_table, rows_of, table_from_rows  # noqa: E402
-
-
-def gpu_slug(device: str) -> str:
-    """The GPU's model in a file name: "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA H200" -> "h200"."""
-    words = [w for w in re.split(r"[^A-Za-z0-9]+", device) if w and w.upper() != "NVIDIA"]
-    return words[0].lower() if words else "gpu"
 
 
 def unpacked(folder: Path, into: Path) -> Path:

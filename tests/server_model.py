@@ -13,28 +13,14 @@ import torch
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "Hello world, a naive cafe, once upon a time",
           "Crème brûlée and 東京 🙂 are not in every corpus", "assistant: user: system: hello there"]
-SPECIALS = ["<unk>", "<s>", "</s>"]
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 def make_tokenizer(folder: Path, *, chat_template: str | None = CHAT_TEMPLATE):
-    import tokenizers
-    import transformers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    from tests.offline_tokenizers import byte_level_bpe, save_pretrained
 
-    t = tokenizers.Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>",
-                                              eos_token="</s>")
-    if chat_template is not None:
-        hf.chat_template = chat_template
-    hf.save_pretrained(str(folder))
-    return hf
+    return save_pretrained(byte_level_bpe(CORPUS * 4, vocab_size=320), folder, chat_template)
 
 
 def make_model(folder: Path, *, seed: int = 3, layers: int = 2, hidden: int = 64):

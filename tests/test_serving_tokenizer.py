@@ -18,9 +18,10 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers  
 
 from fastpipe.errors import InputError  # noqa: E402
 from fastpipe.serving.tokenizer import REPLACEMENT, TextStream, Tokenizer, has_tokenizer  # noqa: E402
+from tests import offline_tokenizers  # noqa: E402
+from tests.offline_tokenizers import SPECIALS, save_pretrained  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECIALS = ["<unk>", "<s>", "</s>"]
 CORPUS = ["the quick brown fox jumps over the lazy dog", "Hello world, a naive cafe", "once upon a time there was"]
 TEXTS = [
     "Hello world",
@@ -36,13 +37,7 @@ CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfo
 def byte_level_bpe():
     """GPT-2 / Llama 3 style: byte-level pre-tokenizer and decoder, merges trained on ASCII text, so every
     non-ASCII character is several byte tokens."""
-    t = tokenizers.Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    return t
+    return offline_tokenizers.byte_level_bpe(CORPUS * 4, vocab_size=400)
 
 
 def byte_fallback_bpe():
@@ -66,10 +61,7 @@ def byte_fallback_bpe():
 
 
 def save(t, folder: Path, chat_template=None) -> Path:
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    if chat_template is not None:
-        hf.chat_template = chat_template
-    hf.save_pretrained(str(folder))
+    save_pretrained(t, folder, chat_template)
     return folder
 
 

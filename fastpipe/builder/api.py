@@ -87,8 +87,10 @@ def _stages(pp: int, split_points) -> dict[str, int]:
 
 
 def trace_rank(local: nn.Module, param_names: Sequence[str], forward: Callable, param_shapes, input_vals,
-               constants: Mapping[str, torch.Tensor] | None = None) -> torch.fx.GraphModule:
-    """Trace forward(params_dict, *inputs) with params as explicit placeholders (fake tensors)."""
+               constants: Mapping[str, torch.Tensor] | None = None, *,
+               allow_non_fake_inputs: bool = False) -> torch.fx.GraphModule:
+    """Trace forward(local, params_dict, *inputs) with params as explicit placeholders (fake tensors).
+    allow_non_fake_inputs: the forward may read real tensors of its own (a model's buffers)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fparams = [torch.empty(s, dtype=d) for s, d in param_shapes]
@@ -103,7 +105,7 @@ def trace_rank(local: nn.Module, param_names: Sequence[str], forward: Callable, 
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
     with fx_tracing_lock(), lazy_graph_modules():   # FX's tracing state is global: never beside a compile
-        return make_fx(flat, tracing_mode="fake")(*fparams, *finputs)
+        return make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=allow_non_fake_inputs)(*fparams, *finputs)
 
 
 def _default_forward(local, params, *inputs):

@@ -95,9 +95,10 @@ def _(ids, vocab, tp):
     return torch.empty_like(ids)
 
 
-def vocab_block_start(rank: int, tp: int, vocab: int) -> int:
-    """The first vocab row rank ``rank`` holds: blocks of ceil(vocab/tp) rows, the last ones short or empty."""
-    return min(vocab, rank * -(-vocab // tp))
+def vocab_range(rank: int, tp: int, vocab: int) -> tuple[int, int]:
+    """[start, end) of the vocab rows rank ``rank`` holds: blocks of ceil(V/tp) (the last may be short or empty)."""
+    block = -(-vocab // tp)
+    return min(rank * block, vocab), min((rank + 1) * block, vocab)
 
 
 TRANSITION = torch.ops.fastpipe.transition.default

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from fastpipe.builder.graph_split import comm_point
-from fastpipe.builder.markers import LAYOUT, REQUIRE, TRANSITION, VOCAB_OFFSET, parse_spec, vocab_block_start
+from fastpipe.builder.markers import LAYOUT, REQUIRE, TRANSITION, VOCAB_OFFSET, parse_spec, vocab_range
 from fastpipe.errors import BuildError
 
 aten = torch.ops.aten
@@ -51,7 +51,7 @@ def apply_sharding(gm: fx.GraphModule, rank: int, tp: int) -> int:
     for n in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is VOCAB_OFFSET]:
         ids, vocab, n_ranks = n.args
         with gm.graph.inserting_before(n):
-            shifted = gm.graph.call_function(aten.sub.Tensor, (ids, vocab_block_start(rank, n_ranks, vocab)))
+            shifted = gm.graph.call_function(aten.sub.Tensor, (ids, vocab_range(rank, n_ranks, vocab)[0]))
         shifted.meta["val"] = n.meta["val"]
         n.replace_all_uses_with(shifted)
         gm.graph.erase_node(n)

@@ -115,8 +115,7 @@ class VocabEmbedding(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         vocab, dim = weight_shape
-        self.start = markers.vocab_block_start(rank, tp, vocab)
-        self.stop = markers.vocab_block_start(rank + 1, tp, vocab)
+        self.start, self.stop = markers.vocab_range(rank, tp, vocab)
         self.rows, self.dim, self.reduce_to, self.tp, self.dtype = self.stop - self.start, dim, reduce_to, tp, dtype
         self.vocab = vocab
         self.sources = {}

@@ -63,7 +63,7 @@ class TokenFeed:
 
 
 class Job:
-    def __init__(self, request, tokenizer, *, stops, received: float, metrics, loop, eos=frozenset()):
+    def __init__(self, request, tokenizer, *, stops, received: float, metrics, loop):
         self.request = request
         self.feed = TokenFeed(request, loop)
         self.text = tokenizer.stream() if tokenizer is not None else None

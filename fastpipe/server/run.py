@@ -1,13 +1,13 @@
 """`fastpipe serve`'s process: one engine, the app, uvicorn on a socket of our own, and the shutdown.
 
-    serve(engine, tokenizer, settings, host="127.0.0.1", port=8000, ready=print)     # returns at shutdown
+    serve(make_app(engine, tokenizer, settings), host="127.0.0.1", port=8000, ready=print)   # returns at shutdown
 
 The socket is bound here (port 0: a free one), with a listen backlog of 2048, so that a burst of
 connections waits in the kernel's queue instead of being reset, and `ready` is told the real address
 once uvicorn accepts on it.
 
 SIGTERM or SIGINT (a second SIGINT: at once): no new connections and no new requests (503, /health 503);
-the requests in flight go on for `settings.grace` seconds, then end (their answers say so: 503, or an
+the requests in flight go on for `grace` seconds, then end (their answers say so: 503, or an
 error event in a stream); the engine closes (cancelling what is left) and serve() returns, so that the
 process exits 0. uvicorn's own handling re-raises the signal after its shutdown (the exit status would
 be the signal's): this server installs its own handlers instead.

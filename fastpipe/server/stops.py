@@ -26,7 +26,6 @@ class StopText:
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self.held = ""              # received, not sent: a tail that may begin a stop string
-        self.sent = ""              # what add() and finish() returned so far
         self.stopped: str | None = None   # the stop string found, once found
 
     def add(self, piece: str) -> str:
@@ -35,7 +34,6 @@ class StopText:
             return ""
         text = self.held + piece
         if not self.stops:
-            self.sent += text
             self.held = ""
             return text
         # the earliest stop string in the text (a stop string can only start in the new part or in `held`)
@@ -43,11 +41,9 @@ class StopText:
         if found is not None:
             i, self.stopped = found
             self.held = ""
-            self.sent += text[:i]
             return text[:i]
         keep = self._longest_tail_prefix(text)
         out, self.held = text[:len(text) - keep], text[len(text) - keep:]
-        self.sent += out
         return out
 
     def finish(self) -> str:
@@ -55,7 +51,6 @@ class StopText:
         if self.stopped is not None:
             return ""
         out, self.held = self.held, ""
-        self.sent += out
         return out
 
     def _longest_tail_prefix(self, text: str) -> int:

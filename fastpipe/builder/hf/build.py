@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from fastpipe import dtypes
 from fastpipe.builder import markers
-from fastpipe.builder.api import Built
+from fastpipe.builder.api import Built, trace_rank
 from fastpipe.builder.emit import Emitter, IOSpec, RankGraph, StoredParam
 from fastpipe.builder.hf import plans
 from fastpipe.builder.hf.checkpoint import checkpoint_index
@@ -44,7 +43,6 @@ from fastpipe.builder.sources import Source
 from fastpipe.builder.tp_layers import ColumnLinear, RowLinear, VocabEmbedding
 from fastpipe.errors import BuildError
 from fastpipe.format import parse_pipeline
-from fastpipe.torch_compat import FakeTensorMode, fx_tracing_lock, lazy_graph_modules
 from fastpipe.validate import validate_structure
 
 def even_split_points(family: str | FamilySpec, n_layers: int, pp: int) -> list[str]:
@@ -167,16 +165,9 @@ def _pipe_split(stage: int):
 def _trace_rank(ff, local, pnames: list[str]) -> fx.GraphModule:
     """make_fx of a rank-local model's flat forward, its parameters as the first placeholders (fake)."""
     shapes = {n: (tuple(p.shape), p.dtype) for n, p in local.named_parameters()}
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fparams = [torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in pnames]
-        finputs = [torch.empty(t.shape, dtype=t.dtype) for t in ff.signature.inputs]
-    n = len(pnames)
-
-    def flat(*xs):
-        return tuple(ff.fn(dict(zip(pnames, xs[:n])), *xs[n:]))
-
-    with fx_tracing_lock(), lazy_graph_modules():   # FX's tracing state is global: never beside a compile
-        gm = make_fx(flat, tracing_mode="fake", _allow_non_fake_inputs=True)(*fparams, *finputs)
+    inputs = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in ff.signature.inputs]   # made fake there
+    gm = trace_rank(local, pnames, lambda _local, params, *xs: ff.fn(params, *xs), [shapes[n] for n in pnames],
+                    inputs, allow_non_fake_inputs=True)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm

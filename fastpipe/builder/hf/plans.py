@@ -49,11 +49,11 @@ be untied on each rank: the two names get different shards of one stored tensor.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
 from fastpipe.builder.hf.families import FamilySpec, get_family
+from fastpipe.builder.markers import vocab_range  # the one formula, shared with the vocab_offset marker
 from fastpipe.builder.hf.tp_rules import KINDS, REPLICATE, AttrUpdate, Rule
 from fastpipe.errors import BuildError
 
@@ -138,12 +138,6 @@ def kv_head_for_rank(rank: int, tp: int, n_q_heads: int, n_kv_heads: int) -> int
     if len(heads) != 1:
         raise BuildError(f"tp: expected >= num_key_value_heads={n_kv_heads} for one KV head per rank, found {tp}")
     return heads.start
-
-
-def vocab_range(rank: int, tp: int, vocab: int) -> tuple[int, int]:
-    """[start, end) of the vocab rows rank ``rank`` holds: blocks of ceil(V/tp) (the last may be short or empty)."""
-    block = math.ceil(vocab / tp)
-    return min(rank * block, vocab), min((rank + 1) * block, vocab)
 
 
 def lm_head_sharded(vocab: int, tp: int) -> bool:
