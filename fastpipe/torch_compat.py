@@ -5,6 +5,7 @@ one of them is fixed in one file (tests/test_layering.py checks that no other mo
 names ``torch._<something>``).
 
     OpOverload, OpOverloadPacket   aten operator classes (torch._ops)
+    parse_schema(text)             an operator schema string parsed (torch._C.FunctionSchema)
     FakeTensorMode, FakeTensor     fake tensors for shape propagation (torch._subclasses)
     unique_graphs()                dynamo's count of graphs compiled so far (torch._dynamo)
     counting_inductor(on_compile)  inductor as a torch.compile backend that calls on_compile() per graph it compiles
@@ -32,6 +33,7 @@ import torch
 
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
+parse_schema = torch._C.parse_schema
 
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402, F401  (re-exported)
 

@@ -126,7 +126,8 @@ def test_builtins_eval_message_is_exact():
     message = refused(pack(doc))
     assert message == (
         'supertasks["3"].data: nodes[2].target: expected a torch.ops target in namespaces '
-        "aten, fastpipe, prims (or operator.getitem), found 'builtins.eval'"
+        "aten, fastpipe, prims (or operator.getitem), or a registered foreign op (furiosa::gather_i32, "
+        "furiosa::sparse_select, furiosa::sparse_select_v1_5), found 'builtins.eval'"
     )
 
 

@@ -81,8 +81,19 @@ class Assembler:
 
         with fx_tracing_lock():          # FX's tracing state is global: never beside a background compile
             gm = make_fx(flat, tracing_mode="fake")(*fakes)
+        return self.graph(slot, gm, inputs, outputs, sid=sid, blob=blob, kind=kind, _fakes=(mode, fakes))
+
+    def graph(self, slot: str, gm: torch.fx.GraphModule, inputs: Sequence[str], outputs: Sequence[str], *,
+              sid: str | None = None, blob: str | None = None, kind: str = "fx", _fakes=None) -> str:
+        """Add a ready aten-level GraphModule (returning a tuple) as a compute supertask on ``slot``:
+        for graphs make_fx would rewrite (a registered foreign op, which tracing decomposes)."""
+        if _fakes is None:
+            mode = FakeTensorMode(allow_non_fake_inputs=False)
+            fakes = self._fake_inputs(mode, inputs)
+        else:
+            mode, fakes = _fakes
         with mode:
-            results = flat(*fakes)
+            results = gm(*fakes)
         if len(results) != len(outputs):
             raise ValueError(f"fx supertask on slot {slot}: function returned {len(results)} tensors for {len(outputs)} outputs")
         for name, r in zip(outputs, results):

@@ -289,7 +289,7 @@ class _Encoder:
             try:
                 resolve(name, f"{_WHERE}: node {n.name!r}")
             except PayloadError:
-                raise _fail(n, "an operator the decoder accepts (see allow_namespace)", repr(name)) from None
+                raise _fail(n, "an operator the decoder accepts (see allow_namespace, register_foreign_op)", repr(name)) from None
             graph_nodes.append({
                 "target": name,
                 "inputs": self.inputs(n),

@@ -2,7 +2,9 @@
 
 A target is ``torch.ops.<ns>.<op>.<overload>`` (identifiers only, no dunders)
 with ``<ns>`` in the allow-list, resolving to an ``OpOverload`` (``fastpipe.torch_compat``);
-or ``operator.getitem`` / ``_operator.getitem``. Nothing else is looked up.
+the default overload of a registered foreign op (``fastpipe.payload.foreign_ops``: the producer's
+``furiosa::sparse_select_v1_5`` and the like); or ``operator.getitem`` / ``_operator.getitem``.
+Nothing else is looked up.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import threading
 import torch
 
 from fastpipe.errors import PayloadError
+from fastpipe.payload import foreign_ops
 from fastpipe.torch_compat import OpOverload
 
 DEFAULT_NAMESPACES = frozenset({"aten", "prims", "fastpipe"})
@@ -52,7 +55,9 @@ def allowed_namespaces() -> frozenset[str]:
 
 def _expected() -> str:
     names = ", ".join(sorted(allowed_namespaces()))
-    return f"a torch.ops target in namespaces {names} (or operator.getitem)"
+    foreign = ", ".join(foreign_ops.foreign_op_names())
+    foreign = f", or a registered foreign op ({foreign})" if foreign else ""
+    return f"a torch.ops target in namespaces {names} (or operator.getitem){foreign}"
 
 
 def _is_denied(op: OpOverload) -> bool:
@@ -73,7 +78,9 @@ def resolve(target: object, where: str) -> object:
         return operator.getitem
     shown = repr(target if len(target) <= 80 else target[:77] + "...")
     match = _TARGET.fullmatch(target)
-    if match is None or match.group(1) not in allowed_namespaces():
+    if match is not None and match.group(1) not in allowed_namespaces():
+        return _foreign(match, where, shown)
+    if match is None:
         raise PayloadError(f"{where}: expected {_expected()}, found {shown}")
     ns, name, overload = match.groups()
     try:
@@ -86,6 +93,20 @@ def resolve(target: object, where: str) -> object:
     if _is_denied(op):
         raise PayloadError(f"{where}: expected an operator without file side effects, found {shown}")
     return op
+
+
+def _foreign(match: re.Match, where: str, shown: str) -> object:
+    """A target outside the allowed namespaces: a registered foreign op's default overload, or refused."""
+    ns, name, overload = match.groups()
+    qualified = f"{ns}::{name}"
+    if foreign_ops.foreign_op(qualified) is None:
+        raise PayloadError(f"{where}: expected {_expected()}, found {shown}")
+    if overload != "default":
+        raise PayloadError(f"{where}: expected the default overload of the foreign op {qualified}, found {shown}")
+    try:
+        return foreign_ops.torch_op(qualified)
+    except ValueError as exc:           # defined in this process with another schema
+        raise PayloadError(f"{where}: expected {qualified} as registered, found {exc}") from None
 
 
 def target_name(op: object) -> str:

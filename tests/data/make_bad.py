@@ -841,7 +841,7 @@ def _target(t):
 
 
 _blob_case("payload_builtins_exec", "a payload calling builtins.exec",
-           r'blobs\["mm"\]: nodes\[\d+\]\.target: expected a torch\.ops target in namespaces aten, fastpipe, prims \(or operator\.getitem\), found \'builtins\.exec\'$',
+           r'blobs\["mm"\]: nodes\[\d+\]\.target: expected a torch\.ops target in namespaces aten, fastpipe, prims \(or operator\.getitem\), or a registered foreign op \(furiosa::gather_i32, furiosa::sparse_select, furiosa::sparse_select_v1_5\), found \'builtins\.exec\'$',
            _target("builtins.exec"))
 _blob_case("payload_os_system", "a payload calling os.system",
            r'blobs\["mm"\]: nodes\[\d+\]\.target: expected a torch\.ops target .*found \'os\.system\'$',
