@@ -46,10 +46,13 @@ def _slice(t: torch.Tensor, placements) -> torch.Tensor:
     return t[tuple(slice(a, b) for a, b in placements)]
 
 
-def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor], *, partial: bool = False) -> dict[str, torch.Tensor]:
+def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor], *, partial: bool = False,
+                       views: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """Each pipeline input = its model input's slice (checked against the model's shape and dtype);
     `partial`: only the pipeline inputs of the model inputs given (a caller passing the others, e.g. a
-    KV cache updated in place, as pipeline tensors of its own)."""
+    KV cache updated in place, as pipeline tensors of its own). Each slice is made dense (a copy where
+    it is strided), except those named in `views`: inputs a graph writes in place stay views of the
+    caller's tensor, so the run's update lands there (fastpipe.validate.written)."""
     originals = p.metadata.tensors_inputs
     if not p.metadata.slices_inputs:
         raise InputError("run_model: the pipeline has no metadata.tensor_slices.inputs; call run() with pipeline tensors")
@@ -67,7 +70,8 @@ def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor], *, partial: bool = F
             raise InputError(f"run_model: {s.origin}.shape: expected {list(o.shape)}, found {list(x.shape)}")
         if x.dtype != dtypes.to_torch(o.dtype):
             raise InputError(f"run_model: {s.origin}.dtype: expected {o.dtype}, found {dtypes.TORCH_TO_NAME.get(x.dtype, x.dtype)}")
-        out[tensor] = dense(_slice(x, s.placements))
+        part = _slice(x, s.placements)
+        out[tensor] = part if tensor in views else dense(part)
     return out
 
 
@@ -121,12 +125,13 @@ def _source_of(p, origin: str, available: Collection[str]) -> str | None:
 
 
 def complete_inputs(p, given: Mapping[str, torch.Tensor], *, names: Collection[str] | None = None,
-                    chunks: int = 1) -> dict[str, torch.Tensor]:
+                    chunks: int = 1, views: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """The given pipeline inputs plus each one (of `names`, default all) they lack, derived through the
     metadata (input_sources): its model input sliced by its placements (one the metadata does not
     describe stays missing, for Session.run's check to name). A given name that is a model
     input's own and not a pipeline input's is dropped once used (or not). chunks=k: every tensor
-    carries k times the batch along dim 0 (Session.run(chunks=k)); each chunk is sliced alike.
+    carries k times the batch along dim 0 (Session.run(chunks=k)); each chunk is sliced alike. `views`:
+    as in to_pipeline_inputs.
     Nothing missing: `given` as it is."""
     missing = [n for n in (p.input_names if names is None else names) if n not in given]
     originals = p.metadata.tensors_inputs
@@ -151,7 +156,7 @@ def complete_inputs(p, given: Mapping[str, torch.Tensor], *, names: Collection[s
             raise InputError(f"inputs[\"{src_name}\"].dtype: expected {o.dtype} {for_what}, "
                              f"found {dtypes.TORCH_TO_NAME.get(x.dtype, x.dtype)}")
         parts = x.chunk(chunks) if chunks > 1 else (x,)
-        sliced = [to_pipeline_inputs(p, {origin: part}, partial=True) for part in parts]
+        sliced = [to_pipeline_inputs(p, {origin: part}, partial=True, views=views) for part in parts]
         for name in wanted:
             out[name] = sliced[0][name] if chunks == 1 else torch.cat([s[name] for s in sliced])
     return out

@@ -70,6 +70,9 @@ class Session:
         placement = cls.place(pipeline, resolved, opts)
         self.slot_devices = placement.slot_devices
         self.state = state_pairs(pipeline)       # input -> its updated output (fastpipe.runtime.binding.state)
+        # input -> the supertask whose graph writes it in place (fastpipe.validate.written): a run updates the
+        # caller's tensor given for it, as the producer's eager model updates its caches
+        self.written_inputs = dict(self.checked.written)
         in_place = self.state if opts.state_in_place else {}
         # compile: "background" is tiered, or at warm-up, or off, as the processor says (Processor.background_compile)
         self.compiles = opts.compile == "wait" or (opts.compile == "background" and cls.background_compile != "eager")
@@ -89,7 +92,8 @@ class Session:
         self._nothing_to_compile = False
         prepared = Prepared(pipeline, self.checked, self.store, opts, placement, tuple(self.fusion), in_place,
                             self.compiles, self.background, self._binder.compiled, self.index_bounds,
-                            state_written(program, steps_in_place) if steps_in_place else frozenset())
+                            state_written(program, steps_in_place) if steps_in_place else frozenset(),
+                            written=self.checked.written)
         self._binder.forget_constants()          # the steps hold their constants: the region processor's
         self._processor = cls.prepare(program, prepared)   # merges then free each group's shards
 
@@ -109,6 +113,8 @@ class Session:
     def describe(self) -> str:
         """One line: the processor and how it runs the Program (Processor.describe)."""
         how = self._processor.describe()
+        if self.written_inputs:
+            how += (", " if how else "") + f"{len(self.written_inputs)} inputs written in place"
         return f"{self.processor} processor" + (f" ({how})" if how else "")
 
     # ------------------------------------------------------------------ compiling (fastpipe.runtime.compiling.warmup)
@@ -137,6 +143,12 @@ class Session:
             trace: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
         """Run once. `inputs` keyed by pipeline input names; returns outputs keyed by pipeline output names.
 
+        A pipeline input left out is filled through the metadata, as `fastpipe run --inputs` fills it
+        (fastpipe.model_io.complete_inputs): from its model input under that input's own name, or from
+        another pipeline input holding all of that model input (the producer reads `x` on one slot and
+        `x_slot1`, or `d0_x` and `d1_x`, on others: either fills the rest). Inputs a graph writes in
+        place (`written_inputs`: the producer's KV caches) end the run holding the update, in the
+        caller's tensors.
         chunks=k: inputs carry k times the pipeline's batch along dim 0; they run as k
         micro-batches (fill-drain across stages with the cpu/cuda processors) and the outputs
         are concatenated back along dim 0.
@@ -146,6 +158,11 @@ class Session:
         """
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise InputError(f"chunks: expected an integer >= 1, found {chunks!r}")
+        names = self.pipeline.input_names
+        if not self._processor.one_process_per_rank and any(n not in inputs for n in names):
+            from fastpipe.model_io import complete_inputs      # per-slot inputs from the model input they slice
+
+            inputs = complete_inputs(self.pipeline, inputs, chunks=chunks, views=self.written_inputs)
         in_place = self._processor.prepared.state
         if in_place and chunks != 1:
             raise InputError(f"chunks: expected 1 with state_in_place (state is one batch), found {chunks}")
@@ -171,7 +188,7 @@ class Session:
         Returns a dict keyed by the original output names (e.g. `logits`); {} where outputs live elsewhere."""
         from fastpipe.model_io import assemble_outputs, flatten_args, to_pipeline_inputs
 
-        outs = self.run(to_pipeline_inputs(self.pipeline, flatten_args(model_inputs)))
+        outs = self.run(to_pipeline_inputs(self.pipeline, flatten_args(model_inputs), views=self.written_inputs))
         if not self._processor.outputs_here():   # dist: outputs live on rank 0
             return {}
         return assemble_outputs(self.pipeline, outs, check_replicas=check_replicas, device=output_device)

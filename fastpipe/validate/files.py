@@ -15,6 +15,7 @@ from fastpipe.options import LoadOptions
 from fastpipe.validate.lazy_graphs import LazyGraphs
 from fastpipe.validate.payloads import decode_all
 from fastpipe.validate.rules import Checked, validate_structure
+from fastpipe.validate.written import written_inputs
 from fastpipe.validate.sources import param_ref, payload_text
 from fastpipe.weights import ParamRef, default_store, resolve_param_path
 
@@ -56,7 +57,8 @@ def validate(p: Pipeline, opts: LoadOptions | None = None, store=None) -> Checke
     check_params(p, opts, store or default_store())
     if opts.check_payloads:
         check_payload_constants(p, graphs, opts, store or default_store())
-    return Checked(checked.pipeline, checked.flow, checked.groups, checked.order, graphs)
+    written = written_inputs(p, graphs)      # decodes every graph (LazyGraphs too): binding will anyway
+    return Checked(checked.pipeline, checked.flow, checked.groups, checked.order, graphs, written)
 
 
 __all__ = ["check_params", "check_payload_constants", "validate"]

@@ -8,7 +8,7 @@ lowering, a producer's own checks) can run them without loading those layers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastpipe.format.model import Pipeline
 from fastpipe.validate.comm_groups import CommGroup, collect_groups
@@ -29,6 +29,7 @@ class Checked:
     groups: dict[str, CommGroup]
     order: list[str]           # merged nodes (supertasks and groups) in a dependency order
     graphs: object = None  # supertask id -> DecodedGraph (validate(): a dict, or LazyGraphs unchecked)
+    written: dict = field(default_factory=dict)   # pipeline input -> the supertask writing it in place (validate.written)
 
 
 def validate_structure(p: Pipeline) -> Checked:

@@ -71,6 +71,33 @@ def check_state_inputs(inputs: Mapping[str, torch.Tensor], pairs: Mapping[str, s
         spans.append((name, (dev, base, lo, hi)))
 
 
+def working_inputs(inputs: Mapping[str, torch.Tensor], written: Mapping[str, str],
+                   reader_devices: Mapping[str, set], chunks: int = 1) -> tuple[Mapping, list]:
+    """Inputs a graph writes in place (fastpipe.validate.written), made what the graph will write: the
+    caller's tensor itself where it is dense on the device its reader runs on, else a dense copy there.
+    Returns (the inputs with those copies, [(caller's tensor, its copy)]): after the run each copy is
+    written back into the caller's tensor, so the update never stays in a copy that is then dropped.
+    Names in `written` but not in `inputs` (another rank's) are left alone; chunks must be 1."""
+    from fastpipe.runtime.binding.inputs import dense, to_device
+
+    if chunks != 1:
+        raise InputError(f"chunks: expected 1 (inputs written in place hold one batch: "
+                         f"{', '.join(sorted(written))}), found {chunks}")
+    out, back = None, []
+    for name in written:
+        t = inputs.get(name)
+        if t is None:
+            continue
+        devices = reader_devices.get(name) or {t.device}
+        dev = next(iter(devices))
+        if t.device == dev and t.is_contiguous() and dense(t) is t:
+            continue
+        out = dict(inputs) if out is None else out
+        out[name] = work = dense(to_device(t, dev))
+        back.append((t, work))
+    return (inputs if out is None else out), back
+
+
 def write_back(inputs: Mapping[str, torch.Tensor], outputs: dict, pairs: Mapping[str, str]) -> dict:
     """Each paired output written into its input tensor (unless the processor already did), and that
     input tensor returned in its place."""

@@ -18,6 +18,10 @@ passing the same tensors every call (an engine's KV cache) copies nothing. Other
 in (and the session writes the outputs back into them); the tensors of the capture call then serve
 as the graph's scratch. capture(inputs) again with other state tensors captures anew on them.
 
+Inputs a graph writes in place (`written`, fastpipe.validate.written: the producer's paged KV caches)
+have buffers of their own, as other inputs: each replay copies the given tensor in and, after the
+replay, the buffer back into it, so the caller's tensor holds the update.
+
 Copies. A replay's copies go in one launch per group of tensors that share a device and a dtype
 and are contiguous on both sides (torch._foreach_copy_, as inductor's cudagraph trees copy their
 inputs), not one launch per tensor: a decode step with its ids and 16 KV tensors in, its logits
@@ -139,9 +143,10 @@ class ReplayOptions:
 class GraphReplay:
     def __init__(self, fn: Callable[[dict], dict], device: torch.device, *, policy: str = "warn",
                  alias_outputs: bool = False, state: Mapping[str, str] | None = None,
-                 pool: GraphPool | None = None, turns: Turns | None = None):
+                 pool: GraphPool | None = None, turns: Turns | None = None, written=()):
         self.fn, self.device, self.policy, self.alias_outputs = fn, device, policy, alias_outputs
         self.state = dict(state or {})
+        self.written = frozenset(written)   # inputs the graph writes in place: copied back after each replay
         self._state_outputs = frozenset(self.state.values())
         self.enabled = True
         # whether fn is final (tiered compiles: every graph compiled or settled on eager): a call captures
@@ -248,6 +253,9 @@ class GraphReplay:
                 buf.copy_(t, non_blocking=True)
         self.graph.replay()
         self.replays += 1
+        back = [(t, buf) for n, t in inputs.items() if n in self.written and (buf := self.static_in[n]) is not t]
+        if back:            # what the graph wrote into its own buffer belongs in the caller's tensor
+            copy_grouped([t for t, _ in back], [b for _, b in back])
         out = self._outputs()
         self._turns.end(self.device, stream)
         return out

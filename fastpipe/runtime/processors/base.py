@@ -21,7 +21,6 @@ from typing import Any, ClassVar, Mapping
 import torch
 
 
-
 @dataclass
 class Placement:
     """What a processor decides before binding: where each slot runs, which slots this process binds,
@@ -48,6 +47,7 @@ class Prepared:
     step_graphs: Mapping = field(default_factory=dict)   # supertask id -> CompiledGraph (the binder's)
     index_bounds: Mapping = field(default_factory=dict)  # integer inputs used as indices -> their range
     steps_write: frozenset = frozenset()   # state outputs a bound step writes into its input tensor
+    written: Mapping[str, str] = field(default_factory=dict)   # inputs a graph writes in place -> its supertask
 
 
 class Processor:
@@ -120,10 +120,10 @@ class Processor:
             from fastpipe.runtime.binding.inputs import check_inputs
 
             check_inputs(pipeline, inputs, devices)
-            if p.state:
+            if p.state or p.written:
                 from fastpipe.runtime.binding.state import check_state_inputs
 
-                check_state_inputs(inputs, p.state)
+                check_state_inputs(inputs, {**p.state, **p.written})
             parts = [inputs]
         else:
             from fastpipe.runtime.binding.microbatch import check_chunked_inputs, split_chunks
@@ -133,7 +133,14 @@ class Processor:
             from fastpipe.runtime.binding.index_bounds import check_index_bounds
 
             check_index_bounds(inputs, p.index_bounds)
+        back = ()
+        if p.written:           # the caller's tensors, or copies where the graphs read them, written back below
+            from fastpipe.runtime.binding.state import working_inputs
+
+            parts[0], back = working_inputs(inputs, p.written, devices, chunks)
         results = self.run(parts, trace=events)
+        for given, work in back:
+            given.copy_(work)
         if trace is not None:
             from fastpipe.runtime.trace import write_chrome_trace
 

@@ -83,13 +83,13 @@ class CudaProcessor(Processor):
         ro = prepared.run_options
         replay = ro.of(ReplayOptions)
         proc = cls(program, cuda_graph=replay.cuda_graph, compile_policy=ro.compile_policy,
-                   alias_outputs=replay.alias_outputs, state=prepared.state)
+                   alias_outputs=replay.alias_outputs, state=prepared.state, written=prepared.written)
         if replay.graph_pool is not None:
             proc.use_pool(replay.graph_pool)               # every chunk count's graph
         return proc.attach(prepared)
 
     def __init__(self, program: Program, *, cuda_graph: bool = True, compile_policy: str = "warn",
-                 alias_outputs: bool = False, state=None):
+                 alias_outputs: bool = False, state=None, written=None):
         slot_devices = {slot: program.steps[slot][0].device for slot in program.slots if program.steps[slot]}
         check_cuda_devices(slot_devices)
         self.program = program
@@ -97,6 +97,7 @@ class CudaProcessor(Processor):
         self.runner = LaneRunner(program, CudaBackend(), slot_devices)
         self.streams = self.runner.lanes                      # slot -> its torch.cuda.Stream
         self.devices = tuple(self.runner.devices)
+        self.written = frozenset(written or ())     # inputs a graph writes in place: copied back after a replay
         self.use_graph = cuda_graph and len(self.devices) == 1
         if cuda_graph and len(self.devices) > 1:
             warnings.warn("fastpipe: CUDA-graph capture is per device; slots span "
@@ -130,7 +131,7 @@ class CudaProcessor(Processor):
             whole_run = functools.partial(weak_method(self._whole_run), chunks=chunks)   # no cycle: see release
             r = self.replays[chunks] = GraphReplay(whole_run, self.device, policy=self.compile_policy,
                                                    alias_outputs=self.alias_outputs, turns=self.turns,
-                                                   state=self.state if chunks == 1 else None)
+                                                   state=self.state if chunks == 1 else None, written=self.written)
             if self.graph_pool is not None:
                 r.use_pool(self.graph_pool)
             r.ready = self.replay_ready

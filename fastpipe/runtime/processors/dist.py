@@ -288,6 +288,11 @@ class DistProcessor(Processor):
             raise RunError(f"[rank {self.rank}] processor \"dist\": expected an open session, found one closed "
                            "(DistProcessor.close / dist_processor.shutdown let go of its process groups)")
         self.check_inputs(inputs, chunks)
+        back = ()
+        if self.prepared.written:      # this rank's inputs written in place: the caller's tensors get the update
+            from fastpipe.runtime.binding.state import working_inputs
+
+            inputs, back = working_inputs(inputs, self.prepared.written, self.input_devices, chunks)
         if chunks == 1:
             parts = [dict(inputs)]
         else:
@@ -296,6 +301,8 @@ class DistProcessor(Processor):
             parts = split_chunks(inputs, chunks, {n: self.pipeline.tensors[n].shape[0] for n in inputs})
         events: list | None = [] if trace is not None else None
         results = self.run(parts, trace=events)
+        for given, work in back:
+            given.copy_(work)
         if trace is not None:
             self._write_trace(trace, events)
         if self.rank != 0:

@@ -114,12 +114,12 @@ class RegionProcessor(Processor):
                    merge_shards=ro.of(RegionOptions).merge_shards,
                    opaque_groups={d.group for d in prepared.fusion if d.fused}, state=prepared.state,
                    graph_pool=replay.graph_pool, alias_outputs=replay.alias_outputs,
-                   substitute=prepared.store.substitute).attach(prepared)
+                   substitute=prepared.store.substitute, written=prepared.written).attach(prepared)
 
     def __init__(self, program: Program, groups: Mapping, *, compile: bool = False, compile_policy: str = "warn",
                  background: bool = False, cuda_graph: bool = True, merge_shards: bool = True, opaque_groups=(),
                  state: Mapping[str, str] | None = None, graph_pool=None, alias_outputs: bool = False,
-                 substitute: Callable[[list], None] | None = None):
+                 substitute: Callable[[list], None] | None = None, written: Mapping[str, str] | None = None):
         """`groups`: the checked comm groups (kind, params); `background`: with compile, each region runs
         eagerly until the background compiler has compiled it (fastpipe.runtime.compiling.compile.CompiledGraph,
         tiered), else it compiles at its first call (Session.compile's warm-up); `opaque_groups`: groups whose bound
@@ -127,7 +127,8 @@ class RegionProcessor(Processor):
         its updated output, written into the input's tensor in the graph (fastpipe.runtime.binding.state);
         `graph_pool`: a fastpipe.runtime.cuda.graph_replay.GraphPool for the CUDA graph (None: its own);
         `alias_outputs`: a replayed run returns the graph's output buffers, not clones (GraphReplay);
-        `substitute`: told [(shard, view of its merged weight)] as each merged group is made (a
+        `written`: inputs a graph writes in place (fastpipe.validate.written), written back from the CUDA
+        graph's buffers after each replay; `substitute`: told [(shard, view of its merged weight)] as each merged group is made (a
         WeightStore's substitute: later sessions loading the shards get the views), before the shards go.
         The Program's steps must be the only other holders of their constants (the Session drops
         its Binder's first), so that each group's shards are freed as soon as it is merged."""
@@ -180,7 +181,7 @@ class RegionProcessor(Processor):
             from fastpipe.runtime.cuda.graph_replay import GraphReplay
 
             self.replay = GraphReplay(weak_method(self._run_env), dev, policy=compile_policy, state=self.state,
-                                      pool=graph_pool, alias_outputs=alias_outputs)
+                                      pool=graph_pool, alias_outputs=alias_outputs, written=written)
 
     def _state_in_place(self, r: Region, gm) -> int:
         """Make the region write its state outputs into their input tensors (fastpipe.runtime.passes.region_state)."""
