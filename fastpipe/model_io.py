@@ -75,6 +75,20 @@ def to_pipeline_inputs(p, flat: Mapping[str, torch.Tensor], *, partial: bool = F
     return out
 
 
+def state_keys(p, names: Collection[str]) -> dict[str, str]:
+    """Pipeline input -> the name it is saved under as state (`fastpipe run --state-out`): the model input
+    it holds whole (so a prefill's state feeds a decode pipeline whose slot inputs are named otherwise),
+    else its own name (a part of a model input, or a model input two of them hold)."""
+    slices, originals = p.metadata.slices_inputs, p.metadata.tensors_inputs
+    whole = {}
+    for n in names:
+        s = slices.get(n)
+        if s is not None and s.origin in originals and _covers_whole(s, originals[s.origin]):
+            whole[n] = s.origin
+    taken = [o for o in whole.values()]
+    return {n: whole[n] if n in whole and taken.count(whole[n]) == 1 else n for n in names}
+
+
 def _covers_whole(s, origin) -> bool:
     return tuple(b - a for a, b in s.placements) == tuple(origin.shape) and all(a == 0 for a, _ in s.placements)
 

@@ -207,3 +207,46 @@ def test_cuda_writes_land_in_the_callers_tensors(processor):
             out = s.run({"d0_x": x, "d0_slots": slots, "d1_slots": slots, "d0_cache_0": c0, "d1_cache_1": c1})
             torch.testing.assert_close(out["y"].cpu(), reference(x, slots, r0, r1))
         torch.testing.assert_close((c0.cpu(), c1.cpu()), (r0, r1))
+
+
+# ------------------------------------------------------------------------------------------ the CLI
+def test_cli_chains_runs_through_state_files(tmp_path, capsys):
+    """`fastpipe run --state-in/--state-out`: each run starts from the state the previous one left (keyed
+    by model input names), once, however many timed runs follow; outputs are the first run's."""
+    from safetensors.torch import load_file
+
+    from fastpipe.cli import main
+    from fastpipe.format import write_pipeline
+
+    write_pipeline(paged_pipeline(), tmp_path / "pipeline.json")
+    r0, r1 = torch.zeros(N, D), torch.zeros(N, D)
+    save_file({"cache_0": r0.clone(), "cache_1": r1.clone()}, str(tmp_path / "kv.safetensors"))
+    for k, (x, slots) in enumerate(steps(4)):
+        save_file({"x": x, "slots": slots}, str(tmp_path / "in.safetensors"))
+        code = main(["run", str(tmp_path / "pipeline.json"), "--inputs", str(tmp_path / "in.safetensors"),
+                     "--state-in", str(tmp_path / "kv.safetensors"), "--state-out", str(tmp_path / "kv.safetensors"),
+                     "--outputs", str(tmp_path / "out.safetensors"), "--repeat", "3", "--warmup", "2"])
+        assert code == 0
+        assert "wrote 2 inputs written in place to" in capsys.readouterr().out
+        want = reference(x, slots, r0, r1)
+        torch.testing.assert_close(load_file(str(tmp_path / "out.safetensors"))["y"], want)
+        state = load_file(str(tmp_path / "kv.safetensors"))
+        assert set(state) == {"cache_0", "cache_1"}
+        torch.testing.assert_close((state["cache_0"], state["cache_1"]), (r0, r1))
+
+
+def test_cli_state_options_refuse_what_they_cannot_use(tmp_path, capsys):
+    from fastpipe.cli import main
+    from fastpipe.format import write_pipeline
+
+    write_pipeline(paged_pipeline(), tmp_path / "pipeline.json")
+    save_file({"cache_9": torch.zeros(N, D)}, str(tmp_path / "bad.safetensors"))
+    code = main(["run", str(tmp_path / "pipeline.json"), "--state-in", str(tmp_path / "bad.safetensors")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert 'expected tensors of inputs the graphs write in place (cache_0, cache_1, d0_cache_0, d1_cache_1), ' \
+           'found "cache_9"' in err
+    code = main(["run", "graphs/tp_mlp/pipeline.json", "--state-out", str(tmp_path / "s.safetensors")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--state-out: expected a pipeline whose graphs write inputs in place, found none" in err
+    assert not (tmp_path / "s.safetensors").exists()

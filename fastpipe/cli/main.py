@@ -150,6 +150,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--inputs", metavar="FILE", help="safetensors file keyed by pipeline input names (default: seeded random)")
     r.add_argument("--outputs", metavar="FILE", help="write outputs (safetensors, keyed by pipeline output names)")
     r.add_argument("--check", metavar="FILE", help="compare outputs with this safetensors file; exit 1 on mismatch")
+    r.add_argument("--state-in", metavar="FILE",
+                   help="inputs the graphs write in place (KV caches), keyed by model or pipeline input names; over "
+                        "--inputs (chain runs: a prefill's --state-out is the next step's --state-in)")
+    r.add_argument("--state-out", metavar="FILE",
+                   help="write the inputs the graphs wrote in place, as the first run left them (safetensors, keyed "
+                        "by model input names where a slot holds all of one); timed runs use copies")
     r.add_argument("--rtol", type=float, help="relative tolerance for --check (default: per dtype)")
     r.add_argument("--atol", type=float, help="absolute tolerance for --check (default: per dtype)")
     r.add_argument("--device-map", metavar="MAP", help="slot placement, e.g. 0=cpu,1=cuda:0")

@@ -35,6 +35,10 @@ def cmd_run(args) -> int:
     from fastpipe.session import Session
 
     if dist.wants_dist(args):      # multi-process: torchrun-launched, --nproc or --processor dist
+        for option in ("state_in", "state_out"):
+            if getattr(args, option, None):
+                raise InputError(f"--{option.replace('_', '-')}: expected a one-process run, found a distributed one "
+                                 "(each rank's caller keeps its own state)")
         return dist.cli_run(args)
     if not 0 <= args.seed < 2**63:
         raise InputError(f"--seed: expected 0 <= seed < 2**63, found {args.seed}")
@@ -42,8 +46,11 @@ def cmd_run(args) -> int:
     device_map = device_map_of(args)
     if args.outputs:
         check_writable(args.outputs, "--outputs")
+    if args.state_out:
+        check_writable(args.state_out, "--state-out")
     p = read_pipeline(args.pipeline)
     given = read_tensors(args.inputs, "--inputs") if args.inputs else None
+    state_in = read_tensors(args.state_in, "--state-in") if args.state_in else None
     expected = read_tensors(args.check, "--check") if args.check else None
     if args.trace:
         check_writable(args.trace, "--trace")
@@ -52,18 +59,28 @@ def cmd_run(args) -> int:
     load_s = time.perf_counter() - t0
     # pipeline inputs the file lacks, sliced through the metadata from the model input it holds (once the
     # pipeline is known valid: it names its inputs)
-    inputs = complete_inputs(p, given, chunks=args.chunks) if given is not None else None
+    written = sess.written_inputs
+    if state_in is not None:
+        given = dict(random_inputs(p, args.seed, bounds=sess.index_bounds) if given is None else given)
+        given = _with_state(p, given, state_in, written, args.state_in)
+    inputs = complete_inputs(p, given, chunks=args.chunks, views=written) if given is not None else None
     if inputs is None:   # integer inputs used as indices stay below the size of what they index (from its graphs)
         inputs = random_inputs(p, args.seed, bounds=sess.index_bounds)
         if args.chunks > 1:
             inputs = repeat_chunks(inputs, args.chunks)
+    if args.state_out and not written:
+        raise InputError(f"--state-out: expected a pipeline whose graphs write inputs in place, found none in {args.pipeline}")
     compile_msg = ""
     if sess.run_options.compile == "wait":         # benchmarks: compile at warm-up, before any timed run
         rep = sess.compile()
         compile_msg = f"; compiled {rep.graphs} graph{'s' if rep.graphs != 1 else ''} in {rep.seconds:.1f} s" + (f" ({len(rep.eager)} eager)" if rep.eager else "")
     t = time.perf_counter()
-    outs = sess.run(inputs, chunks=args.chunks)
+    outs = first = sess.run(inputs, chunks=args.chunks)
     first_s = time.perf_counter() - t
+    if written:          # the first run is the one asked for; the rest (settling, timing) write into copies
+        if args.state_out:
+            _write_state(p, {n: inputs[n] for n in written}, args.state_out)
+        inputs = {n: (t.clone() if n in written else t) for n, t in inputs.items()}
     if sess.background:                            # tiered: time the steady state, once every compile settled
         compile_msg = _settle(sess, inputs, args.chunks)
     for _ in range(args.warmup):
@@ -88,6 +105,35 @@ def cmd_run(args) -> int:
 
         for line in format_memory_report(memory):
             print(f"memory: {line}")
-    return report_results(args, outs, expected)
+    if args.state_out:
+        print(f"wrote {len(written)} inputs written in place to {args.state_out}")
+    return report_results(args, first if written else outs, expected)
+
+
+def _with_state(p, given: dict, state: dict, written, path: str) -> dict:
+    """`given` with the --state-in tensors over it; each must name an input the graphs write in place (a
+    pipeline input's name, or the model input it holds whole)."""
+    from fastpipe.model_io import state_keys
+
+    keys = state_keys(p, written)
+    allowed = set(written) | set(keys.values())
+    for name in state:
+        if name not in allowed:
+            raise InputError(f"--state-in: {path}: expected tensors of inputs the graphs write in place "
+                             f"({', '.join(sorted(allowed)) or 'none'}), found \"{name}\"")
+    # a state tensor given under its model input's name replaces the pipeline input it fills (--inputs may hold it)
+    replaced = {n for n, k in keys.items() if k in state and k != n}
+    return {**{k: v for k, v in given.items() if k not in replaced}, **state}
+
+
+def _write_state(p, tensors: dict, path: str) -> None:
+    from safetensors.torch import save_file
+
+    from fastpipe.atomic import atomic_path
+    from fastpipe.model_io import state_keys
+
+    keys = state_keys(p, tensors)
+    with atomic_path(path) as tmp:
+        save_file({keys[n]: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(tmp))
 
 
