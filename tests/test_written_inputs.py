@@ -169,14 +169,29 @@ def test_a_graph_writing_another_supertasks_output_is_refused():
         fastpipe.load(parse_pipeline(a.to_json()), device_map=None)
 
 
-def test_a_written_input_read_elsewhere_is_refused():
+def test_a_reader_the_write_could_overtake_is_refused():
     a, names = _one_slot(None, [("x", (N, D)), ("c", (N, D))])
     a.fx("0", lambda x, c: c.copy_(x) + 1, names, ["y"])
     a.fx("0", lambda c: c * 2, ["c"], ["z"])
     a.output(["y", "z"])
-    with pytest.raises(ValidationError, match=r'expected "c", written in place by this graph \(node copy_\), to be '
-                                              r'read by this supertask alone, found it read by supertasks\["2"\] too'):
+    with pytest.raises(ValidationError, match=r'supertasks\["1"\]\.inputs\[1\]: expected every other reader of "c", '
+                                              r'written in place by this graph \(node copy_\), to come before it in the '
+                                              r'dataflow, found supertasks\["2"\], which the write could overtake'):
         fastpipe.load(parse_pipeline(a.to_json()), device_map=None)
+
+
+def test_a_reader_before_the_write_sees_the_old_value():
+    """The producer's decode stage: one graph reads the cache, the next (fed by it) writes it."""
+    a, names = _one_slot(None, [("x", (N, D)), ("c", (N, D))])
+    a.fx("0", lambda c: c * 2, ["c"], ["old"])
+    a.fx("0", lambda x, c, old: c.copy_(x) + old, ["x", "c", "old"], ["y"])
+    a.output(["y"])
+    for processor in ("reference", "cpu", "region"):
+        s = fastpipe.load(parse_pipeline(a.to_json()), device_map=None, processor=processor, compile="off")
+        c, x = torch.randn(N, D), torch.randn(N, D)
+        want = x + c * 2
+        torch.testing.assert_close(s.run({"x": x, "c": c})["y"], want)
+        torch.testing.assert_close(c, x)
 
 
 def test_a_write_into_a_view_of_an_input_counts():

@@ -57,7 +57,7 @@ def validate(p: Pipeline, opts: LoadOptions | None = None, store=None) -> Checke
     check_params(p, opts, store or default_store())
     if opts.check_payloads:
         check_payload_constants(p, graphs, opts, store or default_store())
-    written = written_inputs(p, graphs)      # decodes every graph (LazyGraphs too): binding will anyway
+    written = written_inputs(p, checked.flow, graphs)      # decodes every graph (LazyGraphs too): binding will anyway
     return Checked(checked.pipeline, checked.flow, checked.groups, checked.order, graphs, written)
 
 

@@ -12,8 +12,10 @@ A graph writes placeholder k when an op whose schema marks an argument written (
 aliases its argument: view, slice, select, ...). The rules, checked at load:
 - only pipeline inputs may be written: a graph writing a constant (a weight every session shares)
   or another supertask's output is refused, naming both;
-- a written input is read by that supertask alone: another reader would see it before or after the
-  write depending on the processor's order.
+- every other reader of a written input comes before the writer in the dataflow (a path of tensors or
+  comm groups leads from it to the writer), so each processor runs it before the write, as the
+  producer's own order does (its decode stages read the cache in one graph, write it in the next);
+  a reader the write could overtake is refused.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import torch.fx as fx
 
 from fastpipe.errors import ValidationError, key_path
 from fastpipe.format.model import Pipeline
+from fastpipe.validate.dataflow import Dataflow
+from fastpipe.validate.order import merged_edges, node_of
 from fastpipe.torch_compat import OpOverload
 
 
@@ -65,14 +69,11 @@ def _base(v) -> fx.Node | None:
     return None
 
 
-def written_inputs(p: Pipeline, graphs) -> dict[str, str]:
+def written_inputs(p: Pipeline, flow: Dataflow, graphs) -> dict[str, str]:
     """Pipeline input name -> the id of the supertask that writes it in place (module docstring);
     a ValidationError naming the supertask for what the rules refuse."""
     inputs = set(p.input_names)
-    readers: dict[str, list[str]] = {}
-    for sid, st in p.supertasks.items():
-        for t in dict.fromkeys(st.inputs):
-            readers.setdefault(t, []).append(sid)
+    edges = None
     out: dict[str, str] = {}
     for sid, st in p.supertasks.items():
         if st.kind != "fx":
@@ -91,13 +92,30 @@ def written_inputs(p: Pipeline, graphs) -> dict[str, str]:
                     else "another supertask's output"
                 raise ValidationError(f"{where}.inputs[{k}]: expected a pipeline input where the graph writes "
                                       f"in place (node {node}), found \"{name}\", {what}")
-            others = [r for r in readers.get(name, []) if r != sid]
-            if others:
-                raise ValidationError(f"{where}.inputs[{k}]: expected \"{name}\", written in place by this graph "
-                                      f"(node {node}), to be read by this supertask alone, found it read by "
-                                      f"{', '.join(key_path('supertasks', r) for r in others)} too")
+            if name in out:
+                raise ValidationError(f"{where}.inputs[{k}]: expected \"{name}\" written in place by one supertask, "
+                                      f"found it written by {key_path('supertasks', out[name])} too")
+            edges = edges if edges is not None else merged_edges(p, flow)
+            late = [r for r in flow.consumers.get(name, []) if r != sid and not _reaches(edges, node_of(p, r), node_of(p, sid))]
+            if late:
+                raise ValidationError(f"{where}.inputs[{k}]: expected every other reader of \"{name}\", written in "
+                                      f"place by this graph (node {node}), to come before it in the dataflow, found "
+                                      f"{', '.join(key_path('supertasks', r) for r in late)}, which the write could overtake")
             out[name] = sid
     return out
+
+
+def _reaches(edges: dict[str, set[str]], a: str, b: str) -> bool:
+    """Whether a path leads from node a to node b (validate.order's merged nodes)."""
+    todo, seen = [a], {a}
+    while todo:
+        for n in edges.get(todo.pop(), ()):
+            if n == b:
+                return True
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return False
 
 
 __all__ = ["written_inputs", "written_placeholders"]
