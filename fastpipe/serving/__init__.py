@@ -1,5 +1,6 @@
 """Serving: serving sets and their buckets, the continuous-batching engine, requests, the KV state,
-sampling, the tokenizer, and exact-size buckets (ModelSet).
+sampling, the tokenizer, exact-size buckets (ModelSet), and greedy generation over the producer's
+LLM pipeline pair (ProducerLLM, with paged-cache blocks from a BlockAllocator).
 
     from fastpipe.serving import Engine, SamplingParams, Tokenizer
 
@@ -20,16 +21,19 @@ _EXPORTS = {
     "Request": "request",
     "SamplingParams": "sampling",
     "Tokenizer": "tokenizer", "TextStream": "tokenizer", "has_tokenizer": "tokenizer",
+    "BlockAllocator": "blocks", "ProducerLLM": "producer_llm",
 }
-__all__ = ["Bucket", "Engine", "KVState", "ModelSet", "Request", "SamplingParams", "ServingBuckets", "TextStream",
-           "Tokenizer", "build_serving_set", "has_tokenizer", "pipeline_paths"]
+__all__ = ["BlockAllocator", "Bucket", "Engine", "KVState", "ModelSet", "ProducerLLM", "Request", "SamplingParams",
+           "ServingBuckets", "TextStream", "Tokenizer", "build_serving_set", "has_tokenizer", "pipeline_paths"]
 
 if TYPE_CHECKING:
+    from fastpipe.serving.blocks import BlockAllocator
     from fastpipe.serving.buckets import ServingBuckets, pipeline_paths
     from fastpipe.serving.build import build_serving_set
     from fastpipe.serving.engine import Engine
     from fastpipe.serving.kv_state import KVState
     from fastpipe.serving.model_set import Bucket, ModelSet
+    from fastpipe.serving.producer_llm import ProducerLLM
     from fastpipe.serving.request import Request
     from fastpipe.serving.sampling import SamplingParams
     from fastpipe.serving.tokenizer import TextStream, Tokenizer, has_tokenizer
