@@ -852,6 +852,46 @@ _blob_case("payload_aten_save", "a payload calling torch.ops.aten.save (writes a
 _blob_case("payload_foreign_namespace", "a payload calling an op in a namespace not allowed",
            r'blobs\["mm"\]: nodes\[\d+\]\.target: expected a torch\.ops target .*found \'torch\.ops\.higher_order\.cond\.default\'$',
            _target("torch.ops.higher_order.cond.default"))
+_blob_case("payload_foreign_op_unregistered", "a payload calling a producer's op that is not a registered foreign op",
+           r'blobs\["mm"\]: nodes\[\d+\]\.target: expected a torch\.ops target .*or a registered foreign op '
+           r'\(furiosa::gather_i32, furiosa::sparse_select, furiosa::sparse_select_v1_5\), '
+           r'found \'torch\.ops\.furiosa\.dequantize\.default\'$',
+           _target("torch.ops.furiosa.dequantize.default"))
+
+
+def _writer(f: Path, constant: bool, late_reader: bool) -> None:
+    """One slot: supertask 1 writes its second input in place (a weight, or an input another supertask
+    reads with nothing ordering it before the write)."""
+    a = Assembler("bad_written", version="0.1.0")
+    a.slot("0", "cpu")
+    a.input("x", (8, 4), "f32")
+    if constant:
+        write_weights(f)
+        a.constant("w", shape=(8, 4), dtype="f32", name_in_file="w", path="weights.safetensors")
+    else:
+        a.input("w", (8, 4), "f32")
+    a.fx("0", lambda x, w: w.copy_(x) + 1, ["x", "w"], ["y"])
+    outs = ["y"]
+    if late_reader:
+        a.fx("0", lambda w: w * 2, ["w"], ["z"])
+        outs.append("z")
+    a.output(outs)
+    save(f, a.to_json())
+
+
+@case("written_constant", "payload", "a graph writing a constant (a weight every session shares) in place",
+      r'supertasks\["1"\]\.inputs\[1\]: expected a pipeline input where the graph writes in place \(node copy_\), '
+      r'found "w", a constant \(shared by every session\)$')
+def _(f):
+    _writer(f, constant=True, late_reader=False)
+
+
+@case("written_input_read_unordered", "payload",
+      "an input a graph writes in place that another supertask reads with nothing ordering it before the write",
+      r'supertasks\["1"\]\.inputs\[1\]: expected every other reader of "w", written in place by this graph '
+      r'\(node copy_\), to come before it in the dataflow, found supertasks\["2"\], which the write could overtake$')
+def _(f):
+    _writer(f, constant=False, late_reader=True)
 
 
 def _as_expr(g):
@@ -1230,7 +1270,8 @@ def refusals_md() -> str:
     lines += ["## Why", "",
               "- Everything is checked before any weight data is read, and nothing from a pipeline is",
               "  ever executed: payloads are decoded without pickle, eval or exec, call targets come only",
-              "  from allowed torch.ops namespaces, torch.save files load with `weights_only=True`, and",
+              "  from allowed torch.ops namespaces and registered foreign ops (each a schema and a plain-torch",
+              "  reference: fastpipe.payload.foreign_ops), torch.save files load with `weights_only=True`, and",
               "  torch.export archives need `--trust-export-archives`. `tests/test_no_code_execution.py`",
               "  proves it: malicious payloads, blobs, side files and param files of every format are",
               "  loaded through `fastpipe.load` and the CLI with tripwires on eval, exec, compile, pickle,",
