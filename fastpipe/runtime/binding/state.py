@@ -90,7 +90,7 @@ def working_inputs(inputs: Mapping[str, torch.Tensor], written: Mapping[str, str
             continue
         devices = reader_devices.get(name) or {t.device}
         dev = next(iter(devices))
-        if t.device == dev and t.is_contiguous() and dense(t) is t:
+        if t.device == dev and dense(t) is t:
             continue
         out = dict(inputs) if out is None else out
         out[name] = work = dense(to_device(t, dev))

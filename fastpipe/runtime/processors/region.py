@@ -128,8 +128,9 @@ class RegionProcessor(Processor):
         `graph_pool`: a fastpipe.runtime.cuda.graph_replay.GraphPool for the CUDA graph (None: its own);
         `alias_outputs`: a replayed run returns the graph's output buffers, not clones (GraphReplay);
         `written`: inputs a graph writes in place (fastpipe.validate.written), written back from the CUDA
-        graph's buffers after each replay; `substitute`: told [(shard, view of its merged weight)] as each merged group is made (a
-        WeightStore's substitute: later sessions loading the shards get the views), before the shards go.
+        graph's buffers after each replay; `substitute`: told [(shard, view of its merged weight)] as each
+        merged group is made (a WeightStore's substitute: later sessions loading the shards get the views),
+        before the shards go.
         The Program's steps must be the only other holders of their constants (the Session drops
         its Binder's first), so that each group's shards are freed as soon as it is merged."""
         from fastpipe.runtime.binding.gemm_layout import fold_batched_linears
