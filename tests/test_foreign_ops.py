@@ -63,14 +63,18 @@ def test_payload_round_trip_decodes_to_the_registered_op():
     torch.testing.assert_close(got, cache[ids.long()].view(2, A, H * Dh), rtol=0, atol=0)
 
 
-def paged_pipeline(build=_paged_read):
+def paged_doc(build=_paged_read) -> dict:
     a = Assembler("paged_read")
     a.slot("0", "cpu")
     a.input("cache", (NB, 1, H, Dh), "f32")
     a.input("ids", (2 * A,), "i32")
     a.graph("0", _graph(build), ["cache", "ids"], ["y"])
     a.output(["y"])
-    return parse_pipeline(a.to_json())
+    return a.to_json()
+
+
+def paged_pipeline(build=_paged_read):
+    return parse_pipeline(paged_doc(build))
 
 
 @pytest.mark.parametrize("processor,compile", [("reference", "off"), ("cpu", "wait"), ("region", "off"),
@@ -87,13 +91,7 @@ def _patched(change) -> dict:
     import base64
     import json
 
-    a = Assembler("t")
-    a.slot("0", "cpu")
-    a.input("cache", (NB, 1, H, Dh), "f32")
-    a.input("ids", (2 * A,), "i32")
-    a.graph("0", _graph(_paged_read), ["cache", "ids"], ["y"])
-    a.output(["y"])
-    doc = a.to_json()
+    doc = paged_doc()
     st = doc["supertasks"]["1"]
     payload = json.loads(base64.b64decode(st["data"]))
     change(payload)
