@@ -417,7 +417,7 @@ def test_planned_memory_and_its_report():
 class FakeReplay:
     made: ClassVar[list] = []
 
-    def __init__(self, fn, device, *, policy="warn", alias_outputs=False, state=None, turns=None):
+    def __init__(self, fn, device, *, policy="warn", alias_outputs=False, state=None, turns=None, written=()):
         self.fn, self.device, self.calls, self.graph, self.pool, self.turns = fn, device, [], None, None, turns
         FakeReplay.made.append(self)
 
