@@ -153,6 +153,8 @@ def test_a_users_op_registered_from_outside_runs_and_unregistered_is_refused():
         unregister_foreign_op("fpt_user::scale_rows")
     with pytest.raises(PayloadError, match=r"found 'torch.ops.fpt_user.scale_rows.default'"):
         fastpipe.load(parse_pipeline(doc), device_map=None)
+    with pytest.raises(ValueError, match=r"fpt_user::scale_rows is defined already with schema"):   # the op stays
+        register_foreign_op(ForeignOp("fpt_user::scale_rows", "(Tensor x) -> Tensor", reference=lambda x: x))
 
 
 def test_an_op_defined_by_its_own_library_is_adopted_when_the_schema_agrees():

@@ -75,9 +75,9 @@ def register_foreign_op(op: ForeignOp) -> None:
         raise ValueError(f"register_foreign_op: {op.name}: expected a callable reference, found {op.reference!r}")
     parse_schema(f"{op.name}{op.schema}")          # a malformed schema fails here, not at first use
     with _lock:
-        old = _entries.get(op.name)
-        if old is not None and old.name in _defined and old.schema != op.schema:
-            raise ValueError(f"register_foreign_op: {op.name} is defined already with schema {old.schema}")
+        defined = _defined.get(op.name)       # a torch op defined for an earlier entry of this name stays
+        if defined is not None and not _same_schema(defined._schema, op):
+            raise ValueError(f"register_foreign_op: {op.name} is defined already with schema {defined._schema}")
         _entries[op.name] = op
 
 
@@ -116,11 +116,8 @@ def _define(entry: ForeignOp):
     ns, op_name = entry.namespace, entry.op_name
     existing = _existing(ns, op_name)
     if existing is not None:      # defined by its own library, loaded in this process: use it, same schema
-        want = parse_schema(f"{entry.name}{entry.schema}")
-        have = existing._schema
-        if [(a.name, str(a.type)) for a in have.arguments] != [(a.name, str(a.type)) for a in want.arguments] or \
-                [str(r.type) for r in have.returns] != [str(r.type) for r in want.returns]:
-            raise ValueError(f"foreign op {entry.name}: defined in this process with schema {have}, "
+        if not _same_schema(existing._schema, entry):
+            raise ValueError(f"foreign op {entry.name}: defined in this process with schema {existing._schema}, "
                              f"expected {entry.schema}")
         return existing
     lib = torch.library.Library(ns, "FRAGMENT")
@@ -128,6 +125,13 @@ def _define(entry: ForeignOp):
     lib.impl(op_name, entry.reference, "CompositeImplicitAutograd")
     _libraries.append(lib)
     return getattr(getattr(torch.ops, ns), op_name).default
+
+
+def _same_schema(have, entry: ForeignOp) -> bool:
+    """Whether a defined operator's schema has the entry's arguments (names, types) and returns."""
+    want = parse_schema(f"{entry.name}{entry.schema}")
+    return ([(a.name, str(a.type)) for a in have.arguments] == [(a.name, str(a.type)) for a in want.arguments]
+            and [str(r.type) for r in have.returns] == [str(r.type) for r in want.returns])
 
 
 def _existing(ns: str, op_name: str):
