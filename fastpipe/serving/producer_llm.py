@@ -66,6 +66,7 @@ class ProducerLLM:
         self._write = {"prefill": sorted(n for n in pre if n.startswith(_WRITE)),
                        "decode": sorted(n for n in dec if n.startswith(_WRITE))}
         self._load = sorted(n for n in dec if n.startswith(_LOAD))
+        self.last_tables: list[list[int]] = []      # the block tables of the last generate(), per prompt
 
     # ------------------------------------------------------------------ one step's inputs
     def prefill_inputs(self, prompts: Sequence[Sequence[int]], tables: Sequence[Sequence[int]]) -> dict:
