@@ -78,10 +78,10 @@ def resolve(target: object, where: str) -> object:
         return operator.getitem
     shown = repr(target if len(target) <= 80 else target[:77] + "...")
     match = _TARGET.fullmatch(target)
-    if match is not None and match.group(1) not in allowed_namespaces():
-        return _foreign(match, where, shown)
     if match is None:
         raise PayloadError(f"{where}: expected {_expected()}, found {shown}")
+    if match.group(1) not in allowed_namespaces():
+        return _foreign(match, where, shown)
     ns, name, overload = match.groups()
     try:
         packet = getattr(getattr(torch.ops, ns), name)

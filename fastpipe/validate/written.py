@@ -1,6 +1,6 @@
 """Pipeline inputs a graph writes in place: state the caller's tensors carry from run to run.
 
-    written = written_inputs(pipeline, graphs)    # {"d0_past_key_values_0_0": "3", ...}: input -> the supertask writing it
+    written = written_inputs(pipeline, checked.flow, graphs)   # {"d0_arg2_1": "2", ...}: input -> the supertask writing it
 
 The producer's LLM pipelines update their paged KV caches inside the graph: an `index_put` into the
 cache, then `aten.copy_` of the result into the cache placeholder; the graph returns only the logits.
@@ -75,13 +75,16 @@ def written_inputs(p: Pipeline, flow: Dataflow, graphs) -> dict[str, str]:
     inputs = set(p.input_names)
     edges = None
     out: dict[str, str] = {}
+    by_graph: dict[int, dict[int, str]] = {}     # replicas share one decoded graph: walk it once
     for sid, st in p.supertasks.items():
         if st.kind != "fx":
             continue
         g = graphs.get(sid)
         if g is None:
             continue
-        for k, node in written_placeholders(g.gm).items():
+        if id(g) not in by_graph:
+            by_graph[id(g)] = written_placeholders(g.gm)
+        for k, node in by_graph[id(g)].items():
             where = f"{key_path('supertasks', sid)}"
             if k < 0:
                 raise ValidationError(f"{where}: expected a graph that writes only pipeline inputs in place, "
